@@ -1,0 +1,12 @@
+"""accum_fused: gradient accumulation inside the optimizer.
+
+Call ``opt.step(weight=...)`` after every micro-batch's backward; the optimizer adds the
+gradients into fp32 buffers and applies the update every ``accumulation_steps`` calls (and on
+``opt.flush()`` for a partial last window). Importing this package loads no extension and
+touches no GPU.
+"""
+from .backends import available_backends
+from .optim import SGD, Adam, AdamW
+from .version import __version__
+
+__all__ = ["SGD", "Adam", "AdamW", "available_backends", "__version__"]

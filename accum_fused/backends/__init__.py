@@ -1,0 +1,96 @@
+"""Backend registry.
+
+A backend is a module with the keyword-only functions of ``reference.py`` (``accumulate``,
+``window_norms``, ``sgd_update``, ``adam_update``) and ``supports(device, dtype)``. Backends
+are loaded lazily, on first use, so importing accum_fused never builds, loads or touches
+anything beyond PyTorch itself.
+"""
+from __future__ import annotations
+
+import importlib
+import warnings
+from types import ModuleType
+
+import torch
+
+from . import reference
+
+BACKEND_NAMES = ("torch", "cpp", "triton")
+AUTO = "auto"
+
+# Why each optional backend is unavailable; filled in by _load on first use.
+_unavailable: dict[str, str] = {}
+_loaded: dict[str, ModuleType] = {"torch": reference}
+_warned_auto_fallback = False
+
+# The fix quoted in every error about an optional backend. A backend without a module here is
+# not part of this release: it is reported unavailable but never warned about.
+_FIX = {
+    "cpp": "the compiled extension is not part of this release yet",
+    "triton": "the Triton backend is not part of this release yet",
+}
+_SHIPPED: tuple[str, ...] = ("torch",)
+
+
+def _load(name: str) -> ModuleType | None:
+    if name in _loaded:
+        return _loaded[name]
+    if name in _unavailable:
+        return None
+    if name not in _SHIPPED:
+        _unavailable[name] = "not built"
+        return None
+    try:
+        module = importlib.import_module(f"{__name__}.{name}_backend")
+    except ImportError as exc:
+        _unavailable[name] = f"{type(exc).__name__}: {exc}"
+        return None
+    _loaded[name] = module
+    return module
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that load on this machine, in order of preference."""
+    return [name for name in BACKEND_NAMES if _load(name) is not None]
+
+
+def unavailable_reasons() -> dict[str, str]:
+    """For each backend that does not load: why, and the command that fixes it."""
+    available_backends()
+    return {name: f"{_unavailable[name]} ({_FIX[name]})" for name in _unavailable}
+
+
+def check_name(name: str) -> None:
+    """Validate a user-given backend name; raise if it is unknown or cannot load."""
+    if not isinstance(name, str) or (name != AUTO and name not in BACKEND_NAMES):
+        raise ValueError(
+            f"unknown backend {name!r}: choose one of {(AUTO,) + BACKEND_NAMES}; "
+            f"available here: {available_backends()}"
+        )
+    if name != AUTO and _load(name) is None:
+        raise RuntimeError(
+            f"accum_fused backend {name!r} is not available: {_unavailable[name]}. "
+            f"Fix: {_FIX[name]}; or use backend='auto'."
+        )
+
+
+def resolve(name: str, device: torch.device, dtype: torch.dtype) -> ModuleType:
+    """The backend module that runs tensors of (device, dtype) for the user's choice ``name``.
+
+    A named backend that does not support the pair (fp64 on a kernel backend, say) hands it
+    to the reference, which supports every floating dtype. "auto" takes the first available
+    backend in ``BACKEND_NAMES`` order that supports the pair, warning once when an optional
+    backend failed to load.
+    """
+    global _warned_auto_fallback
+    candidates = BACKEND_NAMES if name == AUTO else (name,)
+    for candidate in candidates:
+        module = _load(candidate)
+        if module is not None and module.supports(device, dtype):
+            return module
+    failed = {n: why for n, why in unavailable_reasons().items() if n in _SHIPPED}
+    if name == AUTO and failed and not _warned_auto_fallback:
+        _warned_auto_fallback = True
+        reasons = "; ".join(f"{n}: {why}" for n, why in failed.items())
+        warnings.warn(f"accum_fused: using the reference backend ({reasons})", stacklevel=3)
+    return reference
