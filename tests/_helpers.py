@@ -1,0 +1,181 @@
+"""Shared helpers: deterministic models and data, torch.optim references, comparisons.
+
+Everything here is deterministic (explicit generators / seeds), CPU-only and small.
+"""
+from __future__ import annotations
+
+import copy
+import io
+
+import torch
+from torch import nn
+
+import accum_fused
+
+IN_FEATURES = 6
+OUT_FEATURES = 3
+
+# (accum_fused class, torch.optim class) by name.
+OPTIMIZERS = {
+    "SGD": (accum_fused.SGD, torch.optim.SGD),
+    "Adam": (accum_fused.Adam, torch.optim.Adam),
+    "AdamW": (accum_fused.AdamW, torch.optim.AdamW),
+}
+
+# Per-parameter state keys torch.optim keeps (those that exist depend on the hyperparameters).
+TORCH_STATE_KEYS = ("step", "momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, hidden: int = 8) -> nn.Sequential:
+    """A small MLP with deterministic initialisation."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(IN_FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, OUT_FEATURES))
+    return model.to(dtype)
+
+
+def make_batches(
+    sizes: list[int], seed: int = 1, dtype: torch.dtype = torch.float32
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A list of (x, y) micro-batches with the given sizes."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(n, IN_FEATURES, generator=gen, dtype=torch.float64).to(dtype),
+            torch.randn(n, OUT_FEATURES, generator=gen, dtype=torch.float64).to(dtype),
+        )
+        for n in sizes
+    ]
+
+
+def loss_of(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Plain mean-reduced MSE loss (mean over the batch)."""
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def concat(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+
+
+def windows(batches: list, k: int) -> list[list]:
+    """Split a list of micro-batches into consecutive windows of k."""
+    return [batches[i : i + k] for i in range(0, len(batches), k)]
+
+
+def train_accum(opt, model, batches, weighted: bool = False) -> list:
+    """One opt.step() per micro-batch (zero_grad, backward, step); returns the step() results.
+
+    ``weighted``: pass ``weight=len(micro_batch)`` to step().
+    """
+    results = []
+    for batch in batches:
+        opt.zero_grad()
+        loss_of(model, batch).backward()
+        if weighted:
+            results.append(opt.step(weight=len(batch[0])))
+        else:
+            results.append(opt.step())
+    return results
+
+
+def train_big_batch(torch_opt, model, batches, k: int) -> None:
+    """The torch.optim reference: one step per window of k micro-batches on their concatenation."""
+    for window in windows(batches, k):
+        torch_opt.zero_grad()
+        loss_of(model, concat(window)).backward()
+        torch_opt.step()
+
+
+def assert_params_equal(model_a: nn.Module, model_b: nn.Module) -> None:
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        assert a.dtype == b.dtype, name
+        assert torch.equal(a, b), f"{name}: max abs diff {(a.double() - b.double()).abs().max().item()}"
+
+
+def assert_params_close(model_a: nn.Module, model_b: nn.Module, rtol: float, atol: float) -> None:
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        assert a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def assert_params_changed(model_a: nn.Module, model_b: nn.Module) -> None:
+    """Guard against vacuous comparisons: training must have moved every parameter."""
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        assert not torch.equal(a, b), f"{name} did not change"
+
+
+def assert_torch_state_equal(opt, torch_opt) -> None:
+    """Every per-parameter state entry torch.optim keeps is present in ``opt`` and bit-equal."""
+    for p_ours, p_ref in zip(all_params(opt), all_params(torch_opt)):
+        ref_state = torch_opt.state[p_ref]
+        ours = opt.state[p_ours]
+        for key in TORCH_STATE_KEYS:
+            if key not in ref_state or ref_state[key] is None:
+                continue
+            assert key in ours, f"missing state {key!r}"
+            a, b = torch.as_tensor(ours[key]), torch.as_tensor(ref_state[key])
+            if key == "step":
+                assert float(a) == float(b), f"step {float(a)} != {float(b)}"
+            else:
+                assert a.dtype == b.dtype, (key, a.dtype, b.dtype)
+                assert torch.equal(a, b), f"state {key!r} differs"
+
+
+def all_params(opt) -> list[torch.Tensor]:
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def snapshot(opt) -> dict:
+    """A deep copy of everything a failed call must leave untouched."""
+    return {
+        "params": [p.detach().clone() for p in all_params(opt)],
+        "state": copy.deepcopy({i: dict(opt.state[p]) for i, p in enumerate(all_params(opt)) if p in opt.state}),
+        "micro_step": opt.micro_step,
+        "update_count": opt.update_count,
+        "updated": opt.updated,
+    }
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
+    return a == b
+
+
+def assert_unchanged(opt, before: dict) -> None:
+    after = snapshot(opt)
+    for i, (a, b) in enumerate(zip(before["params"], after["params"])):
+        assert torch.equal(a, b), f"param {i} changed"
+    assert _same(before["state"], after["state"]), "optimizer state changed"
+    for key in ("micro_step", "update_count", "updated"):
+        assert before[key] == after[key], f"{key}: {before[key]} -> {after[key]}"
+
+
+def save_load(obj):
+    """Round-trip through torch.save / torch.load in memory."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def _ordered_bits16(x: torch.Tensor) -> torch.Tensor:
+    """Map bf16/fp16 values onto integers so that adjacent representable values differ by 1."""
+    assert x.dtype in (torch.bfloat16, torch.float16), x.dtype
+    bits = x.view(torch.int16).to(torch.int32)
+    return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable values of their (16-bit float) dtype a and b are apart, per element
+    (+0 and -0 count as equal)."""
+    assert a.dtype == b.dtype
+    return (_ordered_bits16(a) - _ordered_bits16(b)).abs()

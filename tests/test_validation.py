@@ -1,0 +1,265 @@
+"""Bad input raises the right exception and changes nothing; torch's own validation is kept."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import accum_fused
+from _helpers import (
+    OPTIMIZERS,
+    assert_params_equal,
+    assert_unchanged,
+    loss_of,
+    make_batches,
+    make_model,
+    snapshot,
+    train_accum,
+)
+
+NAMES = ["SGD", "Adam", "AdamW"]
+HYPER = {"SGD": dict(lr=0.1, momentum=0.9), "Adam": dict(lr=0.01), "AdamW": dict(lr=0.01, amsgrad=True)}
+
+
+@pytest.mark.parametrize("value,exc", [
+    pytest.param(2.0, TypeError, id="float"),
+    pytest.param("2", TypeError, id="str"),
+    pytest.param(True, TypeError, id="bool"),
+    pytest.param(None, TypeError, id="None"),
+    pytest.param(0, ValueError, id="zero"),
+    pytest.param(-1, ValueError, id="negative"),
+])
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_accumulation_steps(backend, name, value, exc):
+    with pytest.raises(exc):
+        OPTIMIZERS[name][0](make_model().parameters(), accumulation_steps=value, backend=backend)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan")], ids=["zero", "negative", "nan"])
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_max_grad_norm(backend, name, value):
+    with pytest.raises(ValueError):
+        OPTIMIZERS[name][0](make_model().parameters(), max_grad_norm=value, backend=backend)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_complex_parameters_refused(backend, name):
+    complex_param = nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    with pytest.raises(ValueError):
+        OPTIMIZERS[name][0]([complex_param], backend=backend)
+    with pytest.raises(ValueError):
+        OPTIMIZERS[name][0](list(make_model().parameters()) + [complex_param], backend=backend)
+
+
+@pytest.mark.parametrize("name,flag", [
+    pytest.param("SGD", "differentiable", id="SGD-differentiable"),
+    pytest.param("Adam", "capturable", id="Adam-capturable"),
+    pytest.param("Adam", "differentiable", id="Adam-differentiable"),
+    pytest.param("AdamW", "capturable", id="AdamW-capturable"),
+    pytest.param("AdamW", "differentiable", id="AdamW-differentiable"),
+])
+def test_unsupported_torch_flags(backend, name, flag):
+    with pytest.raises(NotImplementedError):
+        OPTIMIZERS[name][0](make_model().parameters(), backend=backend, **{flag: True})
+
+
+def test_sgd_has_no_capturable_argument_like_torch(backend):
+    with pytest.raises(TypeError):
+        torch.optim.SGD(make_model().parameters(), capturable=True)
+    with pytest.raises(TypeError):
+        accum_fused.SGD(make_model().parameters(), capturable=True, backend=backend)
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_torch_flags_set_to_false_are_accepted(backend, name):
+    opt = OPTIMIZERS[name][0](make_model().parameters(), capturable=False, differentiable=False, backend=backend)
+    assert isinstance(opt, OPTIMIZERS[name][1])
+
+
+BAD_WEIGHTS = [
+    pytest.param(0, ValueError, id="zero"),
+    pytest.param(0.0, ValueError, id="zero-float"),
+    pytest.param(-1.0, ValueError, id="negative"),
+    pytest.param(float("nan"), ValueError, id="nan"),
+    pytest.param(float("inf"), ValueError, id="inf"),
+    pytest.param(float("-inf"), ValueError, id="minus-inf"),
+    pytest.param("a", TypeError, id="str"),
+    pytest.param(None, TypeError, id="None"),
+]
+
+
+@pytest.mark.parametrize("weight,exc", BAD_WEIGHTS)
+@pytest.mark.parametrize("position", [0, 2], ids=["opening-micro-batch", "closing-micro-batch"])
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_weight_raises_and_changes_nothing(backend, name, position, weight, exc):
+    k = 3
+    batches = make_batches([3] * k)
+    model = make_model()
+    opt = OPTIMIZERS[name][0](model.parameters(), accumulation_steps=k, backend=backend, **HYPER[name])
+    train_accum(opt, model, batches[:position])
+    opt.zero_grad()
+    loss_of(model, batches[position]).backward()
+    before = snapshot(opt)
+    with pytest.raises(exc):
+        opt.step(weight=weight)
+    assert_unchanged(opt, before)
+    # The failed call accumulated nothing: retrying with a valid weight gives the clean result.
+    opt.step()
+    train_accum(opt, model, batches[position + 1 :])
+    assert opt.update_count == 1
+
+    ref_model = make_model()
+    ref = OPTIMIZERS[name][0](ref_model.parameters(), accumulation_steps=k, backend=backend, **HYPER[name])
+    train_accum(ref, ref_model, batches)
+    assert_params_equal(model, ref_model)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_weight_is_keyword_only(backend, name):
+    model = make_model()
+    opt = OPTIMIZERS[name][0](model.parameters(), accumulation_steps=2, backend=backend, **HYPER[name])
+    loss_of(model, make_batches([2])[0]).backward()
+    before = snapshot(opt)
+    with pytest.raises(TypeError):
+        opt.step(None, 2.0)
+    assert_unchanged(opt, before)
+
+
+class _SparseModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.lin = nn.Linear(4, 2)
+
+    def dense_loss(self, x):
+        return self.lin(x).pow(2).mean()
+
+    def sparse_loss(self, idx):
+        return self.lin(self.emb(idx)).pow(2).mean()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sparse_gradients_raise_and_change_nothing(backend, name):
+    model = _SparseModel()
+    opt = OPTIMIZERS[name][0](model.parameters(), accumulation_steps=2, backend=backend, **HYPER[name])
+    opt.zero_grad()
+    model.sparse_loss(torch.tensor([1, 3, 3])).backward()
+    assert model.emb.weight.grad.is_sparse
+    before = snapshot(opt)
+    with pytest.raises(RuntimeError):
+        opt.step()
+    assert_unchanged(opt, before)
+
+    # Mid-window: the dense micro-batch already accumulated stays as it was.
+    opt.zero_grad()
+    model.dense_loss(torch.ones(5, 4)).backward()
+    assert model.emb.weight.grad is None
+    opt.step()
+    assert opt.micro_step == 1
+    opt.zero_grad()
+    model.sparse_loss(torch.tensor([0, 2])).backward()
+    before = snapshot(opt)
+    with pytest.raises(RuntimeError):
+        opt.step()
+    assert_unchanged(opt, before)
+
+
+@pytest.mark.parametrize("name", ["unknown", "", "TORCH", "reference", "cuda"])
+def test_unknown_backend_name(name):
+    with pytest.raises(ValueError):
+        accum_fused.SGD(make_model().parameters(), lr=0.1, backend=name)
+
+
+@pytest.mark.parametrize("name", ["cpp", "triton"])
+def test_known_backend_name(name):
+    if name in accum_fused.available_backends():
+        opt = accum_fused.SGD(make_model().parameters(), lr=0.1, backend=name)
+        assert isinstance(opt, torch.optim.SGD)
+    else:
+        with pytest.raises(RuntimeError):
+            accum_fused.SGD(make_model().parameters(), lr=0.1, backend=name)
+
+
+@pytest.mark.parametrize("name", ["torch", "auto"])
+@pytest.mark.parametrize("cls", NAMES)
+def test_always_available_backend_names(name, cls):
+    model = make_model()
+    opt = OPTIMIZERS[cls][0](model.parameters(), backend=name, **HYPER[cls])
+    train_accum(opt, model, make_batches([2]))
+    assert opt.update_count == 1
+
+
+def _params():
+    return list(make_model().parameters())
+
+
+def _shared_param_groups():
+    params = _params()
+    return [{"params": params[:2]}, {"params": params[1:]}]
+
+
+def _non_leaf():
+    return [make_model()[0].weight * 2]
+
+
+# (id, class name, params factory, kwargs): torch raises for each.
+TORCH_ERRORS = [
+    ("lr-negative", "SGD", _params, dict(lr=-0.1)),
+    ("momentum-negative", "SGD", _params, dict(lr=0.1, momentum=-0.5)),
+    ("weight_decay-negative", "SGD", _params, dict(lr=0.1, weight_decay=-1.0)),
+    ("nesterov-without-momentum", "SGD", _params, dict(lr=0.1, nesterov=True)),
+    ("nesterov-with-dampening", "SGD", _params, dict(lr=0.1, momentum=0.9, dampening=0.1, nesterov=True)),
+] + [
+    case
+    for name in ("Adam", "AdamW")
+    for case in [
+        ("lr-negative", name, _params, dict(lr=-0.1)),
+        ("eps-negative", name, _params, dict(eps=-1e-8)),
+        ("beta1-one", name, _params, dict(betas=(1.0, 0.999))),
+        ("beta2-negative", name, _params, dict(betas=(0.9, -0.1))),
+        ("weight_decay-negative", name, _params, dict(weight_decay=-0.1)),
+    ]
+] + [
+    case
+    for name in NAMES
+    for case in [
+        ("single-tensor", name, lambda: make_model()[0].weight, dict(lr=0.1)),
+        ("empty", name, lambda: [], dict(lr=0.1)),
+        ("param-in-two-groups", name, _shared_param_groups, dict(lr=0.1)),
+        ("tensor-lr-2-elements", name, _params, dict(lr=torch.tensor([0.1, 0.2]))),
+        ("non-tensor-param", name, lambda: [1.0], dict(lr=0.1)),
+        ("non-leaf-param", name, _non_leaf, dict(lr=0.1)),
+    ]
+]
+
+
+@pytest.mark.parametrize("make_params,kwargs,name", [
+    pytest.param(make_params, kwargs, name, id=f"{name}-{case}") for case, name, make_params, kwargs in TORCH_ERRORS
+])
+def test_torch_validation_parity(backend, name, make_params, kwargs):
+    ours_cls, torch_cls = OPTIMIZERS[name]
+    with pytest.raises(Exception) as torch_err:
+        torch_cls(make_params(), **kwargs)
+    with pytest.raises(Exception) as ours_err:
+        ours_cls(make_params(), backend=backend, **kwargs)
+    assert type(ours_err.value) is type(torch_err.value)
+    assert str(ours_err.value) == str(torch_err.value)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_duplicate_parameters_warn_like_torch(backend, name):
+    ours_cls, torch_cls = OPTIMIZERS[name]
+
+    def messages(factory):
+        p = nn.Parameter(torch.ones(3))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            factory([p, p])
+        return [(m.category, str(m.message)) for m in caught if "duplicate" in str(m.message)]
+
+    ref = messages(lambda params: torch_cls(params, lr=0.1))
+    assert ref  # torch warns
+    assert messages(lambda params: ours_cls(params, lr=0.1, backend=backend)) == ref
