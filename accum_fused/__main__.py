@@ -1,115 +1,86 @@
-"""``python -m accum_fused demo``: why accumulation belongs in the optimizer, in one table.
-
-Trains the same small model on the same deterministic data three ways, each seeing the same
-big batches split into micro-batches of uneven sizes:
-
-1. torch.optim.AdamW on each whole big batch (the target),
-2. the tutorial loop: loss / k per micro-batch, step every k-th, last partial window / k too,
-3. accum_fused.AdamW with weight=len(micro_batch) and flush().
-"""
+"""python -m accum_fused {demo,info}: see what accum_fused does, and what this machine runs."""
 from __future__ import annotations
 
 import argparse
-import copy
-import time
+import platform
+import sys
 
 import torch
 
-import accum_fused
-
-MICRO_BATCH_SIZES = (7, 2, 5, 1, 9, 3, 4)  # one window: uneven, as a length-bucketed loader gives
-ACCUMULATION_STEPS = 4  # 7 micro-batches per epoch-slice: one full window and a partial one
+from . import backends
+from .version import __version__
 
 
-def make_task(seed: int = 0, features: int = 16):
-    generator = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(features, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
-    n = sum(MICRO_BATCH_SIZES)
-    x = torch.randn(n, features, generator=generator)
-    y = torch.sin(x[:, :1] * 2) + 0.1 * torch.randn(n, 1, generator=generator)
-    return model, x, y
+def cmd_demo(args) -> int:
+    from .demo import format_table, plot, run_demo
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    results = run_demo(device=device, backend=args.backend, epochs=args.epochs, lr=args.lr,
+                       progress=not args.no_progress)
+    print(f"accum_fused demo on {device}: {args.epochs} epochs, micro-batches of uneven sizes, "
+          f"k=4, a partial last window every epoch")
+    print(format_table(results, device, args.epochs))
+    plot(results, args.output)
+    print(f"loss curves: {args.output}")
+    return 0
 
 
-def windows(x, y):
-    """The data as windows of micro-batches: [[(x, y), ...], ...]."""
-    micro, start = [], 0
-    for size in MICRO_BATCH_SIZES:
-        micro.append((x[start:start + size], y[start:start + size]))
-        start += size
-    return [micro[i:i + ACCUMULATION_STEPS] for i in range(0, len(micro), ACCUMULATION_STEPS)]
+def info_lines() -> list[str]:
+    lines = [f"accum_fused {__version__}", f"python {platform.python_version()}", f"torch {torch.__version__}"]
+    try:
+        import triton
+
+        lines.append(f"triton {triton.__version__}")
+    except ImportError as exc:
+        lines.append(f"triton: not installed ({exc})")
+    lines.append(f"torch CUDA: {torch.version.cuda or 'none (CPU build)'}")
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices.append(torch.device("cuda", torch.cuda.current_device()))
+        lines.append(f"GPU: {torch.cuda.get_device_name()}")
+    else:
+        lines.append("GPU: none visible to torch")
+    available = backends.available_backends()
+    reasons = backends.unavailable_reasons()
+    for name in backends.BACKEND_NAMES:
+        if name not in available:
+            lines.append(f"backend {name}: unavailable: {reasons.get(name, 'unknown reason')}")
+            continue
+        module = backends._load(name)
+        runs_on = [d.type for d in devices if module.supports(d, torch.float32)]
+        extra = ""
+        if name == "cpp":
+            extra = f"; extension built with CUDA: {bool(getattr(module, 'built_with_cuda', False))}"
+        lines.append(f"backend {name}: available; runs fp32 parameters on {runs_on or 'no device here'}{extra}")
+    for device in devices:
+        picked = backends.resolve(backends.AUTO, device, torch.float32)
+        lines.append(f"auto on {device.type}: {picked.name}")
+    return lines
 
 
-def train_full_batch(model, data, steps, lr):
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    for _ in range(steps):
-        for window in data:
-            xb, yb = torch.cat([m[0] for m in window]), torch.cat([m[1] for m in window])
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(xb), yb).backward()
-            opt.step()
-
-
-def train_tutorial_loop(model, data, steps, lr):
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    for _ in range(steps):
-        for window in data:
-            for xb, yb in window:
-                (torch.nn.functional.mse_loss(model(xb), yb) / ACCUMULATION_STEPS).backward()
-            opt.step()
-            opt.zero_grad()
-
-
-def train_accum_fused(model, data, steps, lr, backend):
-    opt = accum_fused.AdamW(model.parameters(), lr=lr, accumulation_steps=ACCUMULATION_STEPS, backend=backend)
-    for _ in range(steps):
-        for window in data:
-            for xb, yb in window:
-                torch.nn.functional.mse_loss(model(xb), yb).backward()
-                opt.step(weight=len(xb))
-                opt.zero_grad()
-            opt.flush()  # the partial last window, averaged over what it holds
-
-
-def demo(args) -> int:
-    torch.manual_seed(0)
-    target_model, x, y = make_task()
-    data = windows(x, y)
-    runs = {
-        "torch.optim.AdamW, full batch": lambda m: train_full_batch(m, data, args.steps, args.lr),
-        "tutorial loop (loss / k)": lambda m: train_tutorial_loop(m, data, args.steps, args.lr),
-        "accum_fused.AdamW": lambda m: train_accum_fused(m, data, args.steps, args.lr, args.backend),
-    }
-    results, reference = {}, None
-    for name, train in runs.items():
-        model = copy.deepcopy(target_model)
-        start = time.perf_counter()
-        train(model)
-        seconds = time.perf_counter() - start
-        with torch.no_grad():
-            loss = torch.nn.functional.mse_loss(model(x), y).item()
-        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-        reference = flat if reference is None else reference
-        results[name] = (loss, (flat - reference).abs().max().item(), seconds)
-    print(f"{'run':34} {'final loss':>11} {'max |Δparam| vs full batch':>27} {'seconds':>8}")
-    for name, (loss, diff, seconds) in results.items():
-        print(f"{name:34} {loss:11.3e} {diff:27.2e} {seconds:8.2f}")
+def cmd_info(args) -> int:
+    print("\n".join(info_lines()))
     return 0
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m accum_fused", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m accum_fused", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="train a small model three ways and compare with the full batch")
-    p.add_argument("--steps", type=int, default=50, help="passes over the data (default 50)")
-    p.add_argument("--lr", type=float, default=1e-2, help="learning rate (default 1e-2)")
-    p.add_argument("--backend", default="auto", help="accum_fused backend (default auto)")
+    demo = sub.add_parser("demo", help="train a small model three ways and compare with the full batch",
+                          description="Train one small model on a generated task three ways (full batch, the "
+                                      "tutorial loop, accum_fused) and print a table and a loss plot.")
+    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
+    demo.add_argument("--backend", default="auto", help="accum_fused backend: auto, torch, cpp, triton (default auto)")
+    demo.add_argument("--epochs", type=int, default=60, help="passes over the data (default 60)")
+    demo.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    demo.add_argument("--output", default="accum_fused_demo.png", help="PNG of the loss curves (default %(default)s)")
+    demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    demo.set_defaults(func=cmd_demo)
+    info = sub.add_parser("info", help="versions, devices, and which backends run here and why not")
+    info.set_defaults(func=cmd_info)
     args = parser.parse_args(argv)
-    return demo(args)
+    return args.func(args)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -24,6 +24,23 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 }
 
 
+# Kernel backends against the reference backend on the same inputs (tests/test_kernels.py):
+# - torch.float32: (rtol, atol as a fraction of the tensor's largest magnitude) for fp32
+#   parameters, buffers and state after a few windows: a few roundings (CPU kernels are
+#   bit-exact for updates; norms are summed in another order, and CUDA rounds some ops apart).
+# - torch.bfloat16 / torch.float16: ulps by which the kernel's error against an fp64 run may
+#   exceed the reference backend's own error, element by element.
+KERNEL_TOLERANCES: dict[torch.dtype, tuple[float, float] | int] = {
+    torch.float32: (2e-6, 1e-6),
+    torch.bfloat16: 1,
+    torch.float16: 1,
+}
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped without one")
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request) -> str:
     name = request.param

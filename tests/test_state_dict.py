@@ -12,6 +12,7 @@ from _helpers import (
     all_params,
     assert_params_changed,
     assert_params_close,
+    assert_matches_torch,
     assert_params_equal,
     assert_torch_state_equal,
     loss_of,
@@ -139,14 +140,13 @@ def test_torch_optim_checkpoint_migrates(backend, name, hyper):
     opt, model = _new(name, hyper, backend, 1)
     model.load_state_dict(checkpoint["model"])
     opt.load_state_dict(checkpoint["opt"])
-    assert_torch_state_equal(opt, torch_opt)
+    assert_torch_state_equal(opt, torch_opt)  # loading itself is exact on every backend
     for batch in batches[3:]:
         for o, m in ((opt, model), (torch_opt, ref_model)):
             o.zero_grad()
             loss_of(m, batch).backward()
             o.step()
-        assert_params_equal(model, ref_model)
-        assert_torch_state_equal(opt, torch_opt)
+        assert_matches_torch(opt, model, torch_opt, ref_model, backend)
     assert opt.state_dict()["state"].keys() == torch_opt.state_dict()["state"].keys()
 
 

@@ -26,10 +26,17 @@ _warned_auto_fallback = False
 # The fix quoted in every error about an optional backend. A backend without a module here is
 # not part of this release: it is reported unavailable but never warned about.
 _FIX = {
-    "cpp": "the compiled extension is not part of this release yet",
-    "triton": "the Triton backend is not part of this release yet",
+    "cpp": (
+        "reinstall accum_fused with its extension: `pip install --no-build-isolation --force-reinstall .` "
+        "from the source tree, after installing torch and with ACCUM_FUSED_NO_EXTENSION unset"
+    ),
+    "triton": (
+        "install Triton (`pip install triton`; PyTorch's CUDA wheels include it) and use CUDA tensors, "
+        "or set TRITON_INTERPRET=1 before importing accum_fused to run the Triton kernels on CPU "
+        "through Triton's interpreter (slow; for testing)"
+    ),
 }
-_SHIPPED: tuple[str, ...] = ("torch",)
+_SHIPPED: tuple[str, ...] = ("torch", "cpp", "triton")
 
 
 def _load(name: str) -> ModuleType | None:
@@ -74,23 +81,29 @@ def check_name(name: str) -> None:
         )
 
 
+def _auto_candidates(device: torch.device) -> tuple[str, ...]:
+    # Fastest first. On CPU, Triton runs only through its interpreter (for tests): never "auto".
+    # On CUDA, cpp comes before triton until a benchmark on the device says otherwise.
+    return ("cpp", "triton", "torch") if device.type == "cuda" else ("cpp", "torch")
+
+
 def resolve(name: str, device: torch.device, dtype: torch.dtype) -> ModuleType:
     """The backend module that runs tensors of (device, dtype) for the user's choice ``name``.
 
     A named backend that does not support the pair (fp64 on a kernel backend, say) hands it
-    to the reference, which supports every floating dtype. "auto" takes the first available
-    backend in ``BACKEND_NAMES`` order that supports the pair, warning once when an optional
-    backend failed to load.
+    to the reference, which supports every floating dtype. "auto" takes the first of
+    ``_auto_candidates(device)`` that loads and supports the pair, warning once when it falls
+    back to the reference because a backend it would have used failed to load.
     """
     global _warned_auto_fallback
-    candidates = BACKEND_NAMES if name == AUTO else (name,)
+    candidates = _auto_candidates(device) if name == AUTO else (name,)
     for candidate in candidates:
         module = _load(candidate)
         if module is not None and module.supports(device, dtype):
             return module
-    failed = {n: why for n, why in unavailable_reasons().items() if n in _SHIPPED}
+    failed = {n: _unavailable[n] for n in candidates if n in _unavailable and n in _SHIPPED}
     if name == AUTO and failed and not _warned_auto_fallback:
         _warned_auto_fallback = True
-        reasons = "; ".join(f"{n}: {why}" for n, why in failed.items())
-        warnings.warn(f"accum_fused: using the reference backend ({reasons})", stacklevel=3)
+        reasons = "; ".join(f"{n}: {why} (fix: {_FIX[n]})" for n, why in failed.items())
+        warnings.warn(f"accum_fused: using the slower reference backend ({reasons})", stacklevel=3)
     return reference

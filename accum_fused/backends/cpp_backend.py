@@ -1,0 +1,193 @@
+"""Compiled backend "cpp": the C++/CUDA extension ``accum_fused._C`` (csrc/).
+
+Same keyword-only functions as ``reference.py``, which is their specification. Each call runs
+one multi-tensor kernel over all tensors of the call: on CPU one parallel region over chunks of
+every tensor, on CUDA one launch (plus one for norms) whatever the number of tensors.
+
+What this module adds to the kernels: the scalar coefficients, computed here with the very
+expressions and types the reference uses (Python floats, or fp32 tensor arithmetic for a tensor
+``lr``), so that the kernels, which round each coefficient to float once as torch's kernels do,
+see the same values; fp32 1-element tensors for GradScaler's scale and the clip coefficient
+(CUDA kernels read them on the device, without a host synchronisation); and new momentum
+buffers for SGD.
+
+Differences from the reference, none visible through the optimizers:
+- with a fused last micro-batch (``grads``), the update does not write the accumulation buffer
+  back (the window is closing and the next window overwrites it): 4 bytes/param saved;
+- all ``grads`` of one call share one dtype (the front groups calls by gradient dtype);
+- kernels walk memory in order, so a tensor whose layout differs from its buffer's (a contiguous
+  gradient of a transposed parameter, say; never the case for autograd's gradients) is copied
+  into the buffer's layout first, and copied back after the kernel if the kernel writes it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    from .. import _C
+except ImportError as exc:
+    # The registry (backends/__init__.py) adds the command that fixes it to every report.
+    raise ImportError(f"the compiled extension accum_fused._C does not load ({exc})") from exc
+
+name = "cpp"
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def supports(device: torch.device, dtype: torch.dtype) -> bool:
+    """fp32/bf16/fp16 parameters on CPU, and on CUDA when the extension was built with CUDA.
+    fp64 parameters go to the reference."""
+    if dtype not in _KERNEL_DTYPES:
+        return False
+    device = torch.device(device)
+    return device.type == "cpu" or (device.type == "cuda" and _C.with_cuda)
+
+
+def _value(x: float | Tensor) -> float:
+    return x.item() if isinstance(x, Tensor) else float(x)
+
+
+def _scalar(t: Tensor | None, device: torch.device) -> Tensor | None:
+    """A 1-element fp32 tensor on ``device`` (as the reference's ``.to(buf.device, buf.dtype)``)."""
+    return None if t is None else t.detach().to(device=device, dtype=torch.float32)
+
+
+class _Layout:
+    """Presents every tensor of a call in its buffer's memory layout (see module docstring)."""
+
+    def __init__(self, buffers: list[Tensor]):
+        self.buffers = buffers
+        self.copy_back: list[tuple[Tensor, Tensor]] = []
+
+    def _relayout(self, tensors: list[Tensor], write_back: bool) -> list[Tensor]:
+        tensors = list(tensors)
+        for i in _C.layout_mismatches(tensors=tensors, buffers=self.buffers):
+            staged = torch.empty_like(self.buffers[i], dtype=tensors[i].dtype).copy_(tensors[i])
+            if write_back:
+                self.copy_back.append((tensors[i], staged))
+            tensors[i] = staged
+        return tensors
+
+    def read(self, tensors: list[Tensor]) -> list[Tensor]:
+        return self._relayout(tensors, write_back=False)
+
+    def read_write(self, tensors: list[Tensor]) -> list[Tensor]:
+        return self._relayout(tensors, write_back=True)
+
+    def finish(self) -> None:
+        for t, staged in self.copy_back:
+            t.copy_(staged)
+
+
+def accumulate(
+    *,
+    grads: list[Tensor],
+    buffers: list[Tensor],
+    weight: float,
+    overwrite: bool,
+    grad_scale: Tensor | None = None,
+    norm_weight_sum: float | None = None,
+) -> Tensor | None:
+    if not buffers:
+        return None if norm_weight_sum is None else torch.zeros(0)
+    return _C.accumulate(
+        grads=_Layout(buffers).read(grads), buffers=buffers, weight=float(weight), overwrite=bool(overwrite),
+        grad_scale=_scalar(grad_scale, buffers[0].device),
+        norm_weight_sum=None if norm_weight_sum is None else float(norm_weight_sum),
+    )
+
+
+def window_norms(*, buffers: list[Tensor], weight_sum: float) -> Tensor:
+    if not buffers:
+        return torch.zeros(0)
+    return _C.window_norms(buffers=list(buffers), weight_sum=float(weight_sum))
+
+
+def sgd_update(
+    *,
+    params: list[Tensor],
+    buffers: list[Tensor],
+    momentum_buffers: list[Tensor | None],
+    weight_sum: float,
+    clip_coef: Tensor | None,
+    lr: float | Tensor,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    grads: list[Tensor] | None = None,
+    weight: float = 1.0,
+    overwrite: bool = False,
+    grad_scale: Tensor | None = None,
+) -> None:
+    if not params:
+        return
+    device = buffers[0].device
+    layout = _Layout(buffers)
+    first_momentum: list[bool] = []
+    live_buffers: list[Tensor] = []
+    if momentum != 0:
+        for i, momentum_buf in enumerate(momentum_buffers):
+            first_momentum.append(momentum_buf is None)
+            if momentum_buf is None:
+                # The kernel writes b <- g into it (the reference's grad.clone()).
+                momentum_buf = momentum_buffers[i] = torch.empty_like(buffers[i])
+            live_buffers.append(momentum_buf)
+    _C.sgd_update(
+        params=layout.read_write(params), buffers=list(buffers), momentum_buffers=layout.read_write(live_buffers),
+        first_momentum=first_momentum,
+        weight_sum=float(weight_sum), clip_coef=_scalar(clip_coef, device),
+        neg_lr=-_value(lr), momentum=float(momentum), one_minus_dampening=1 - dampening,
+        weight_decay=float(weight_decay), nesterov=bool(nesterov), maximize=bool(maximize),
+        grads=None if grads is None else layout.read(grads), weight=float(weight), overwrite=bool(overwrite),
+        grad_scale=_scalar(grad_scale, device),
+    )
+    layout.finish()
+
+
+def adam_update(
+    *,
+    params: list[Tensor],
+    buffers: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor],
+    step: int,
+    weight_sum: float,
+    clip_coef: Tensor | None,
+    lr: float | Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled_weight_decay: bool,
+    grads: list[Tensor] | None = None,
+    weight: float = 1.0,
+    overwrite: bool = False,
+    grad_scale: Tensor | None = None,
+) -> None:
+    if not params:
+        return
+    device = buffers[0].device
+    layout = _Layout(buffers)
+    # The reference's expressions, evaluated with the reference's types (see module docstring).
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    decay_factor = 1 - lr * weight_decay if decoupled_weight_decay and weight_decay != 0 else 1.0
+    _C.adam_update(
+        params=layout.read_write(params), buffers=list(buffers), exp_avgs=layout.read_write(exp_avgs),
+        exp_avg_sqs=layout.read_write(exp_avg_sqs),
+        max_exp_avg_sqs=layout.read_write(max_exp_avg_sqs) if amsgrad else [], weight_sum=float(weight_sum),
+        clip_coef=_scalar(clip_coef, device), decay_factor=_value(decay_factor), weight_decay=float(weight_decay),
+        lerp_weight=1 - beta1, beta2=float(beta2), one_minus_beta2=1 - beta2, bc2_sqrt=bias_correction2_sqrt,
+        eps=float(eps), neg_step_size=-_value(step_size), decoupled=bool(decoupled_weight_decay),
+        amsgrad=bool(amsgrad), maximize=bool(maximize), grads=None if grads is None else layout.read(grads),
+        weight=float(weight), overwrite=bool(overwrite), grad_scale=_scalar(grad_scale, device),
+    )
+    layout.finish()

@@ -1,0 +1,342 @@
+// Python bindings of accum_fused._C: argument checks, tensor tables, dispatch to the CPU
+// driver (cpu/driver.h) or, in a WITH_CUDA build, the CUDA launchers (cuda/launch.h) under a
+// device guard on the current stream. No math here.
+//
+// The Python side (accum_fused/backends/cpp_backend.py) computes every scalar coefficient the
+// way the reference does and hands them over as doubles; they are rounded to float here, as
+// torch rounds Python scalars inside its fp32 kernels.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cpu/driver.h"
+
+#ifdef WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "cuda/launch.h"
+#endif
+
+namespace accum_fused {
+namespace {
+
+using at::Tensor;
+using TensorList = std::vector<Tensor>;
+
+DType to_dtype(const Tensor& t, const std::string& name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return kFloat32;
+    case at::kBFloat16: return kBFloat16;
+    case at::kHalf: return kFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+  return kFloat32;
+}
+
+std::string item(const char* list, size_t i) { return std::string(list) + "[" + std::to_string(i) + "]"; }
+
+// Kernels walk every tensor as a flat array in memory order, so each tensor of an entry must
+// have its buffer's memory layout (the Python side re-lays out the rare ones that do not).
+bool same_layout(const Tensor& t, const Tensor& buffer);
+
+void check_tensor(const Tensor& t, const std::string& name, const Tensor& buffer, const std::string& buffer_name) {
+  TORCH_CHECK(t.defined(), name, " must be a tensor, got None");
+  TORCH_CHECK(t.device() == buffer.device(), name, " must be on ", buffer.device(), " like ", buffer_name,
+              ", got ", t.device());
+  TORCH_CHECK(t.sizes() == buffer.sizes(), name, " must have the shape of ", buffer_name, " ", buffer.sizes(),
+              ", got ", t.sizes());
+  TORCH_CHECK(same_layout(t, buffer), name, " must be contiguous (or have the strides of ", buffer_name, ")");
+}
+
+void check_fp32(const Tensor& t, const std::string& name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+}
+
+void check_length(const TensorList& list, const char* name, size_t expected, const char* reference) {
+  TORCH_CHECK(list.size() == expected, name, " must have as many tensors as ", reference, " (", expected, "), got ",
+              list.size());
+}
+
+// The call's tensors, one table entry per buffer.
+struct Call {
+  std::vector<TensorEntry> entries;
+  at::Device device{at::kCPU};
+  bool is_cuda() const { return device.is_cuda(); }
+};
+
+Call start_call(const TensorList& buffers) {
+  Call call;
+  call.entries.resize(buffers.size());
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const Tensor& b = buffers[i];
+    const std::string name = item("buffers", i);
+    TORCH_CHECK(b.defined(), name, " must be a tensor, got None");
+    check_fp32(b, name);
+    if (i == 0) call.device = b.device();
+    TORCH_CHECK(b.device() == call.device, name, " must be on ", call.device, " like buffers[0], got ", b.device());
+    TORCH_CHECK(b.is_non_overlapping_and_dense(), name, " must be contiguous");
+    TensorEntry& e = call.entries[i];
+    e = TensorEntry{};
+    e.numel = b.numel();
+    e.ptr[kBuffer] = b.data_ptr();
+  }
+  TORCH_CHECK(call.device.is_cpu() || call.device.is_cuda(), "buffers must be on CPU or CUDA, got ", call.device);
+#ifndef WITH_CUDA
+  TORCH_CHECK(!call.is_cuda(), "accum_fused._C was built without CUDA; buffers are on ", call.device);
+#endif
+  return call;
+}
+
+// Adds one list of tensors to the call's slot `slot`; returns its (common) dtype.
+DType add_list(Call& call, const TensorList& list, const char* name, const TensorList& buffers, Slot slot,
+               bool fp32_only) {
+  check_length(list, name, buffers.size(), "buffers");
+  DType dtype = kFloat32;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const std::string n = item(name, i);
+    check_tensor(list[i], n, buffers[i], item("buffers", i));
+    if (fp32_only) {
+      check_fp32(list[i], n);
+    } else {
+      const DType d = to_dtype(list[i], n);
+      if (i == 0) dtype = d;
+      TORCH_CHECK_TYPE(d == dtype, n, " must have the dtype of ", name, "[0] (", list[0].scalar_type(), "), got ",
+                       list[i].scalar_type());
+    }
+    call.entries[i].ptr[slot] = list[i].data_ptr();
+  }
+  return dtype;
+}
+
+// GradScaler's scale / the clip coefficient: a 1-element float32 tensor on the call's device
+// (CUDA reads it there), or absent (1).
+void check_scalar_tensor(const std::optional<Tensor>& t, const char* name, const Call& call) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->numel() == 1, name, " must have one element, got ", t->numel());
+  check_fp32(*t, name);
+  TORCH_CHECK(t->device() == call.device || (!call.is_cuda() && t->device().is_cpu()), name, " must be on ",
+              call.device, ", got ", t->device());
+}
+
+float host_value(const std::optional<Tensor>& t) { return t.has_value() ? t->item<float>() : 1.0f; }
+
+#ifdef WITH_CUDA
+const float* device_ptr(const std::optional<Tensor>& t) {
+  return t.has_value() ? t->data_ptr<float>() : nullptr;
+}
+
+struct CudaCall {
+  c10::cuda::CUDAGuard guard;
+  c10::cuda::CUDAStream stream;
+  Tensor table;  // device copy of the entries (kept alive until the launch is enqueued)
+  int64_t total_chunks;
+
+  explicit CudaCall(Call& call)
+      : guard(call.device), stream(c10::cuda::getCurrentCUDAStream(call.device.index())) {
+    total_chunks = assign_chunks(call.entries.data(), static_cast<int64_t>(call.entries.size()), cuda::kChunkElems);
+    const int64_t bytes = static_cast<int64_t>(call.entries.size() * sizeof(TensorEntry));
+    // Pinned staging + non_blocking copy on the current stream: no host synchronisation; the
+    // caching allocators keep both buffers alive until the stream has used them.
+    Tensor host = at::empty({std::max<int64_t>(bytes, 1)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    if (bytes > 0) std::memcpy(host.data_ptr(), call.entries.data(), bytes);
+    table = host.to(call.device, at::kByte, /*non_blocking=*/true);
+  }
+  const TensorEntry* entries() const { return static_cast<const TensorEntry*>(table.data_ptr()); }
+  int64_t n() const { return table.numel() / static_cast<int64_t>(sizeof(TensorEntry)); }
+  void* raw_stream() const { return static_cast<void*>(stream.stream()); }
+};
+
+void check_launch(const char* err, const char* op) {
+  TORCH_CHECK(err == nullptr, "accum_fused CUDA ", op, " failed: ", err ? err : "");
+}
+#endif
+
+bool same_layout(const Tensor& t, const Tensor& buffer) {
+  return (t.is_contiguous() && buffer.is_contiguous()) || t.strides() == buffer.strides();
+}
+
+// Indices i where tensors[i] does not have buffers[i]'s memory layout (the Python side re-lays
+// those out; one call instead of a Python loop over strides).
+std::vector<int64_t> layout_mismatches(const TensorList& tensors, const TensorList& buffers) {
+  // Unequal lengths or undefined tensors are left to the op's own checks, which name them.
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < std::min(tensors.size(), buffers.size()); ++i) {
+    if (tensors[i].defined() && buffers[i].defined() && tensors[i].sizes() == buffers[i].sizes() &&
+        !same_layout(tensors[i], buffers[i])) {
+      out.push_back(static_cast<int64_t>(i));
+    }
+  }
+  return out;
+}
+
+Tensor float_out(const Call& call, int64_t n) {
+  return at::empty({n}, at::TensorOptions().dtype(at::kFloat).device(call.device));
+}
+
+// ------------------------------------------------------------------------------- ops
+std::optional<Tensor> accumulate(const TensorList& grads, const TensorList& buffers, double weight, bool overwrite,
+                                 const std::optional<Tensor>& grad_scale, std::optional<double> norm_weight_sum) {
+  Call call = start_call(buffers);
+  const DType grad_dtype = add_list(call, grads, "grads", buffers, kGrad, /*fp32_only=*/false);
+  check_scalar_tensor(grad_scale, "grad_scale", call);
+  const AccumScalars accum{static_cast<float>(weight), overwrite};
+  const float nws = norm_weight_sum.has_value() ? static_cast<float>(*norm_weight_sum) : 1.0f;
+  std::optional<Tensor> norms;
+  if (norm_weight_sum.has_value()) norms = float_out(call, static_cast<int64_t>(buffers.size()));
+  if (call.is_cuda()) {
+#ifdef WITH_CUDA
+    CudaCall cuda_call(call);
+    Tensor partials = float_out(call, std::max<int64_t>(cuda_call.total_chunks, 1));
+    check_launch(cuda::launch_accumulate(cuda_call.entries(), cuda_call.n(), cuda_call.total_chunks, grad_dtype, accum,
+                                         device_ptr(grad_scale), nws, partials.data_ptr<float>(),
+                                         norms ? norms->data_ptr<float>() : nullptr, cuda_call.raw_stream()),
+                 "accumulate");
+#endif
+  } else {
+    cpu::accumulate(call.entries, grad_dtype, accum, host_value(grad_scale), nws,
+                    norms ? norms->data_ptr<float>() : nullptr);
+  }
+  return norms;
+}
+
+Tensor window_norms(const TensorList& buffers, double weight_sum) {
+  Call call = start_call(buffers);
+  Tensor norms = float_out(call, static_cast<int64_t>(buffers.size()));
+  if (call.is_cuda()) {
+#ifdef WITH_CUDA
+    CudaCall cuda_call(call);
+    Tensor partials = float_out(call, std::max<int64_t>(cuda_call.total_chunks, 1));
+    check_launch(cuda::launch_window_norms(cuda_call.entries(), cuda_call.n(), cuda_call.total_chunks,
+                                           static_cast<float>(weight_sum), partials.data_ptr<float>(),
+                                           norms.data_ptr<float>(), cuda_call.raw_stream()),
+                 "window_norms");
+#endif
+  } else {
+    cpu::window_norms(call.entries, static_cast<float>(weight_sum), norms.data_ptr<float>());
+  }
+  return norms;
+}
+
+// The parts every update shares: params, the optional fused last micro-batch, clip coefficient.
+struct Update {
+  Call call;
+  DType param_dtype = kFloat32;
+  cpu::FoldScalars fold{};
+  WindowScalars window{};
+};
+
+Update start_update(const TensorList& params, const TensorList& buffers, double weight_sum, bool maximize,
+                    const std::optional<Tensor>& clip_coef, const std::optional<TensorList>& grads, double weight,
+                    bool overwrite, const std::optional<Tensor>& grad_scale) {
+  Update u{start_call(buffers)};
+  u.param_dtype = add_list(u.call, params, "params", buffers, kParam, /*fp32_only=*/false);
+  check_scalar_tensor(clip_coef, "clip_coef", u.call);
+  u.window = WindowScalars{static_cast<float>(weight_sum), maximize};
+  u.fold.present = grads.has_value();
+  u.fold.accum = AccumScalars{static_cast<float>(weight), overwrite};
+  if (grads.has_value()) {
+    u.fold.grad_dtype = add_list(u.call, *grads, "grads", buffers, kGrad, /*fp32_only=*/false);
+    check_scalar_tensor(grad_scale, "grad_scale", u.call);
+  }
+  return u;
+}
+
+void sgd_update(const TensorList& params, const TensorList& buffers, const TensorList& momentum_buffers,
+                const std::vector<bool>& first_momentum, double weight_sum, const std::optional<Tensor>& clip_coef,
+                double neg_lr, double momentum, double one_minus_dampening, double weight_decay, bool nesterov,
+                bool maximize, const std::optional<TensorList>& grads, double weight, bool overwrite,
+                const std::optional<Tensor>& grad_scale) {
+  Update u = start_update(params, buffers, weight_sum, maximize, clip_coef, grads, weight, overwrite, grad_scale);
+  const SgdScalars s{static_cast<float>(weight_decay), static_cast<float>(momentum),
+                     static_cast<float>(one_minus_dampening), static_cast<float>(neg_lr), weight_decay != 0.0,
+                     momentum != 0.0, nesterov};
+  if (s.has_momentum) {
+    add_list(u.call, momentum_buffers, "momentum_buffers", buffers, kState0, /*fp32_only=*/true);
+    TORCH_CHECK(first_momentum.size() == buffers.size(), "first_momentum must have as many entries as buffers (",
+                buffers.size(), "), got ", first_momentum.size());
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      if (first_momentum[i]) u.call.entries[i].flags |= kFirstMomentum;
+    }
+  }
+  if (u.call.is_cuda()) {
+#ifdef WITH_CUDA
+    CudaCall cuda_call(u.call);
+    const cuda::DeviceFold fold{u.fold.present, u.fold.grad_dtype, u.fold.accum, device_ptr(grad_scale)};
+    check_launch(cuda::launch_sgd(cuda_call.entries(), cuda_call.n(), cuda_call.total_chunks, u.param_dtype, fold,
+                                  u.window, device_ptr(clip_coef), s, cuda_call.raw_stream()),
+                 "sgd_update");
+#endif
+  } else {
+    u.fold.grad_scale = u.fold.present ? host_value(grad_scale) : 1.0f;
+    cpu::sgd_update(u.call.entries, u.param_dtype, u.fold, u.window, host_value(clip_coef), s);
+  }
+}
+
+void adam_update(const TensorList& params, const TensorList& buffers, const TensorList& exp_avgs,
+                 const TensorList& exp_avg_sqs, const TensorList& max_exp_avg_sqs, double weight_sum,
+                 const std::optional<Tensor>& clip_coef, double decay_factor, double weight_decay, double lerp_weight,
+                 double beta2, double one_minus_beta2, double bc2_sqrt, double eps, double neg_step_size,
+                 bool decoupled, bool amsgrad, bool maximize, const std::optional<TensorList>& grads, double weight,
+                 bool overwrite, const std::optional<Tensor>& grad_scale) {
+  Update u = start_update(params, buffers, weight_sum, maximize, clip_coef, grads, weight, overwrite, grad_scale);
+  add_list(u.call, exp_avgs, "exp_avgs", buffers, kState0, /*fp32_only=*/true);
+  add_list(u.call, exp_avg_sqs, "exp_avg_sqs", buffers, kState1, /*fp32_only=*/true);
+  if (amsgrad) {
+    add_list(u.call, max_exp_avg_sqs, "max_exp_avg_sqs", buffers, kState2, /*fp32_only=*/true);
+  } else {
+    TORCH_CHECK(max_exp_avg_sqs.empty(), "max_exp_avg_sqs must be empty without amsgrad, got ",
+                max_exp_avg_sqs.size(), " tensors");
+  }
+  const AdamScalars s{static_cast<float>(decay_factor), static_cast<float>(weight_decay), static_cast<float>(lerp_weight),
+                      static_cast<float>(beta2), static_cast<float>(one_minus_beta2), static_cast<float>(bc2_sqrt),
+                      static_cast<float>(eps), static_cast<float>(neg_step_size), weight_decay != 0.0, decoupled,
+                      amsgrad};
+  if (u.call.is_cuda()) {
+#ifdef WITH_CUDA
+    CudaCall cuda_call(u.call);
+    const cuda::DeviceFold fold{u.fold.present, u.fold.grad_dtype, u.fold.accum, device_ptr(grad_scale)};
+    check_launch(cuda::launch_adam(cuda_call.entries(), cuda_call.n(), cuda_call.total_chunks, u.param_dtype, fold,
+                                   u.window, device_ptr(clip_coef), s, cuda_call.raw_stream()),
+                 "adam_update");
+#endif
+  } else {
+    u.fold.grad_scale = u.fold.present ? host_value(grad_scale) : 1.0f;
+    cpu::adam_update(u.call.entries, u.param_dtype, u.fold, u.window, host_value(clip_coef), s);
+  }
+}
+
+}  // namespace
+}  // namespace accum_fused
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using namespace accum_fused;
+  m.doc() = "accum_fused compiled kernels (see accum_fused/backends/cpp_backend.py for the Python API)";
+#ifdef WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+  m.def("cpu_kernel_variant", &cpu::kernel_variant, "The CPU kernel build in use: AVX2 or DEFAULT");
+  m.def("layout_mismatches", &layout_mismatches, py::arg("tensors"), py::arg("buffers"));
+  m.def("accumulate", &accumulate, py::arg("grads"), py::arg("buffers"), py::arg("weight"), py::arg("overwrite"),
+        py::arg("grad_scale"), py::arg("norm_weight_sum"), py::call_guard<py::gil_scoped_release>());
+  m.def("window_norms", &window_norms, py::arg("buffers"), py::arg("weight_sum"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("sgd_update", &sgd_update, py::arg("params"), py::arg("buffers"), py::arg("momentum_buffers"),
+        py::arg("first_momentum"), py::arg("weight_sum"), py::arg("clip_coef"), py::arg("neg_lr"),
+        py::arg("momentum"), py::arg("one_minus_dampening"), py::arg("weight_decay"), py::arg("nesterov"),
+        py::arg("maximize"), py::arg("grads"), py::arg("weight"), py::arg("overwrite"), py::arg("grad_scale"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("adam_update", &adam_update, py::arg("params"), py::arg("buffers"), py::arg("exp_avgs"),
+        py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("weight_sum"), py::arg("clip_coef"),
+        py::arg("decay_factor"), py::arg("weight_decay"), py::arg("lerp_weight"), py::arg("beta2"),
+        py::arg("one_minus_beta2"), py::arg("bc2_sqrt"), py::arg("eps"), py::arg("neg_step_size"),
+        py::arg("decoupled"), py::arg("amsgrad"), py::arg("maximize"), py::arg("grads"), py::arg("weight"),
+        py::arg("overwrite"), py::arg("grad_scale"), py::call_guard<py::gil_scoped_release>());
+}
