@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._kernel_args import device_scalar, host_value
+
 try:
     from .. import _C
 except ImportError as exc:
@@ -42,15 +44,6 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     device = torch.device(device)
     return device.type == "cpu" or (device.type == "cuda" and _C.with_cuda)
-
-
-def _value(x: float | Tensor) -> float:
-    return x.item() if isinstance(x, Tensor) else float(x)
-
-
-def _scalar(t: Tensor | None, device: torch.device) -> Tensor | None:
-    """A 1-element fp32 tensor on ``device`` (as the reference's ``.to(buf.device, buf.dtype)``)."""
-    return None if t is None else t.detach().to(device=device, dtype=torch.float32)
 
 
 class _Layout:
@@ -93,7 +86,7 @@ def accumulate(
         return None if norm_weight_sum is None else torch.zeros(0)
     return _C.accumulate(
         grads=_Layout(buffers).read(grads), buffers=buffers, weight=float(weight), overwrite=bool(overwrite),
-        grad_scale=_scalar(grad_scale, buffers[0].device),
+        grad_scale=device_scalar(grad_scale, buffers[0].device),
         norm_weight_sum=None if norm_weight_sum is None else float(norm_weight_sum),
     )
 
@@ -138,11 +131,11 @@ def sgd_update(
     _C.sgd_update(
         params=layout.read_write(params), buffers=list(buffers), momentum_buffers=layout.read_write(live_buffers),
         first_momentum=first_momentum,
-        weight_sum=float(weight_sum), clip_coef=_scalar(clip_coef, device),
-        neg_lr=-_value(lr), momentum=float(momentum), one_minus_dampening=1 - dampening,
+        weight_sum=float(weight_sum), clip_coef=device_scalar(clip_coef, device),
+        neg_lr=-host_value(lr), momentum=float(momentum), one_minus_dampening=1 - dampening,
         weight_decay=float(weight_decay), nesterov=bool(nesterov), maximize=bool(maximize),
         grads=None if grads is None else layout.read(grads), weight=float(weight), overwrite=bool(overwrite),
-        grad_scale=_scalar(grad_scale, device),
+        grad_scale=device_scalar(grad_scale, device),
     )
     layout.finish()
 
@@ -184,10 +177,10 @@ def adam_update(
         params=layout.read_write(params), buffers=list(buffers), exp_avgs=layout.read_write(exp_avgs),
         exp_avg_sqs=layout.read_write(exp_avg_sqs),
         max_exp_avg_sqs=layout.read_write(max_exp_avg_sqs) if amsgrad else [], weight_sum=float(weight_sum),
-        clip_coef=_scalar(clip_coef, device), decay_factor=_value(decay_factor), weight_decay=float(weight_decay),
+        clip_coef=device_scalar(clip_coef, device), decay_factor=host_value(decay_factor), weight_decay=float(weight_decay),
         lerp_weight=1 - beta1, beta2=float(beta2), one_minus_beta2=1 - beta2, bc2_sqrt=bias_correction2_sqrt,
-        eps=float(eps), neg_step_size=-_value(step_size), decoupled=bool(decoupled_weight_decay),
+        eps=float(eps), neg_step_size=-host_value(step_size), decoupled=bool(decoupled_weight_decay),
         amsgrad=bool(amsgrad), maximize=bool(maximize), grads=None if grads is None else layout.read(grads),
-        weight=float(weight), overwrite=bool(overwrite), grad_scale=_scalar(grad_scale, device),
+        weight=float(weight), overwrite=bool(overwrite), grad_scale=device_scalar(grad_scale, device),
     )
     layout.finish()

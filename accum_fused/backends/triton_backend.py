@@ -39,6 +39,8 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
+from ._kernel_args import device_scalar, host_value
+
 from . import _FIX
 
 FIX = _FIX["triton"]
@@ -201,15 +203,6 @@ def _launch(kernel, grid: int, *args, **constexprs) -> None:
 
 
 # ------------------------------------------------------------------------------------- helpers
-def _value(x: float | Tensor) -> float:
-    return x.item() if isinstance(x, Tensor) else float(x)
-
-
-def _scalar(t: Tensor | None, device: torch.device) -> Tensor | None:
-    """A 1-element fp32 tensor on ``device`` (the reference's ``.to(buf.device, buf.dtype)``)."""
-    return None if t is None else t.detach().to(device=device, dtype=torch.float32).reshape(1)
-
-
 def _dense(t: Tensor) -> bool:
     """Its elements fill one range of memory without gaps or overlaps (any dimension order)."""
     if t.is_contiguous():
@@ -301,7 +294,7 @@ def accumulate(
     plan = _plan(device, [buffers])
     grad_ptrs, grads_aligned = _grad_table(device, grads)
     norm = norm_weight_sum is not None
-    scale = _scalar(grad_scale, device)
+    scale = device_scalar(grad_scale, device)
     dummy_f, _ = _dummy(device)
     partial = torch.empty(plan.n_chunks if norm else 1, device=device)
     if plan.n_chunks:
@@ -402,12 +395,12 @@ def sgd_update(
         aligned = aligned and grads_aligned
     else:
         grad_ptrs = dummy_i
-    scale = _scalar(grad_scale, device) if grads is not None else None
-    clip = _scalar(clip_coef, device)
+    scale = device_scalar(grad_scale, device) if grads is not None else None
+    clip = device_scalar(clip_coef, device)
     if plan.n_chunks:
         _launch(K.sgd_kernel, plan.n_chunks, plan.chunks, plan.meta, grad_ptrs,
                 dummy_f if scale is None else scale, dummy_f if clip is None else clip,
-                float(weight), float(weight_sum), -_value(lr), float(momentum), float(1 - dampening),
+                float(weight), float(weight_sum), -host_value(lr), float(momentum), float(1 - dampening),
                 float(weight_decay),
                 P_DTYPE=_TL_DTYPES[params[0].dtype],
                 G_DTYPE=_TL_DTYPES[grads[0].dtype] if grads is not None else tl.float32,
@@ -478,13 +471,13 @@ def adam_update(
         aligned = aligned and grads_aligned
     else:
         grad_ptrs = dummy_i
-    scale = _scalar(grad_scale, device) if grads is not None else None
-    clip = _scalar(clip_coef, device)
+    scale = device_scalar(grad_scale, device) if grads is not None else None
+    clip = device_scalar(clip_coef, device)
     if plan.n_chunks:
         _launch(K.adam_kernel, plan.n_chunks, plan.chunks, plan.meta, grad_ptrs,
                 dummy_f if scale is None else scale, dummy_f if clip is None else clip,
-                float(weight), float(weight_sum), _value(decay_factor), float(weight_decay), float(1 - beta1),
-                float(beta2), float(1 - beta2), float(bias_correction2_sqrt), float(eps), -_value(step_size),
+                float(weight), float(weight_sum), host_value(decay_factor), float(weight_decay), float(1 - beta1),
+                float(beta2), float(1 - beta2), float(bias_correction2_sqrt), float(eps), -host_value(step_size),
                 P_DTYPE=_TL_DTYPES[params[0].dtype],
                 G_DTYPE=_TL_DTYPES[grads[0].dtype] if grads is not None else tl.float32,
                 FUSE=grads is not None, OVERWRITE=bool(overwrite) and grads is not None,
