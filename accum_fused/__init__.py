@@ -6,7 +6,7 @@ gradients into fp32 buffers and applies the update every ``accumulation_steps`` 
 touches no GPU.
 """
 from .backends import available_backends
-from .optim import SGD, Adam, AdamW
+from .optim import SGD, Adam, AdamW, GradientAccumulator
 from .version import __version__
 
-__all__ = ["SGD", "Adam", "AdamW", "available_backends", "__version__"]
+__all__ = ["SGD", "Adam", "AdamW", "GradientAccumulator", "available_backends", "__version__"]

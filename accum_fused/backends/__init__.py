@@ -1,7 +1,8 @@
 """Backend registry.
 
 A backend is a module with the keyword-only functions of ``reference.py`` (``accumulate``,
-``window_norms``, ``sgd_update``, ``adam_update``) and ``supports(device, dtype)``. Backends
+``window_norms``, ``sgd_update``, ``adam_update``, ``write_window_grads``) and
+``supports(device, dtype)``. Backends
 are loaded lazily, on first use, so importing accum_fused never builds, loads or touches
 anything beyond PyTorch itself.
 """

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ._kernel_args import device_scalar, host_value
+from .reference import write_window_grads  # noqa: F401  (torch's foreach ops on every backend)
 
 try:
     from .. import _C

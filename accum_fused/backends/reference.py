@@ -69,6 +69,22 @@ def window_norms(*, buffers: list[Tensor], weight_sum: float) -> Tensor:
     return torch.stack([torch.linalg.vector_norm(buf / weight_sum) for buf in buffers])
 
 
+def write_window_grads(*, buffers: list[Tensor], grads: list[Tensor], weight_sum: float,
+                       clip_coef: Tensor | None) -> None:
+    """GradientAccumulator's hand-over to the inner optimizer: grad_i <- acc_i / W * c, computed
+    in the buffer dtype and rounded once to grad_i's dtype (the parameter's).
+
+    torch's multi-tensor ops, on every backend: the grads must be materialised for the inner
+    optimizer anyway, and this is the same arithmetic as ``_window_grad``.
+    """
+    if not buffers:
+        return
+    window = torch._foreach_div(buffers, weight_sum)
+    if clip_coef is not None:
+        torch._foreach_mul_(window, clip_coef.to(device=buffers[0].device, dtype=buffers[0].dtype))
+    torch._foreach_copy_(grads, window)
+
+
 def _window_grad(buf: Tensor, weight_sum: float, clip_coef: Tensor | None, maximize: bool) -> Tensor:
     """g = acc / W * c, negated for maximize (a new tensor; the buffer is left as it is)."""
     grad = buf / weight_sum

@@ -1,0 +1,240 @@
+"""Cross-rank synchronisation for the accumulating optimizers: once per window, not per micro-batch.
+
+With ``process_group=...`` an optimizer keeps its fp32 accumulation buffers as views into one
+flat tensor per (device, buffer dtype) ("segments", in parameter order, as DDP's buckets with
+``gradient_as_bucket_view``), so each bucket all-reduce works in place, with no copy in or out.
+
+At every window boundary (and on ``flush()``) ``WindowSync.reduce_window`` runs two collectives:
+1. one small fp64 all-reduce of [weight total, non-finite flag, one "has a gradient" flag per
+   parameter]: every rank learns the global weight total, whether any rank saw a non-finite
+   micro-batch (then all skip the window, and nothing else is sent), and which parameters
+   received a gradient on some rank;
+2. in-place all-reduces (SUM) of the weighted gradient sums of those parameters, in buckets of
+   ``BUCKET_BYTES`` over contiguous runs of the flat segments, all in flight at once.
+Every rank then holds the same Σ wᵢgᵢ over all ranks' micro-batches and the same Σ wᵢ, so the
+update equals the single-process big batch, whatever the number and sizes of each rank's
+micro-batches. Nothing here does per-element math beyond zeroing stale buffers.
+
+``torch.distributed`` is imported lazily: importing accum_fused never needs it.
+"""
+from __future__ import annotations
+
+import gc
+import warnings
+from collections import defaultdict
+from typing import Callable, Iterable, Iterator
+
+import torch
+from torch import Tensor
+
+# 25 MiB is DDP's default bucket, sized to overlap with backward. Here nothing overlaps (the
+# reduce runs after the last backward of the window), so fewer, larger calls are better.
+BUCKET_BYTES = 64 << 20
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def check_process_group(process_group) -> None:
+    """Raise a clear error unless ``process_group`` is None or a usable torch.distributed group."""
+    if process_group is None:
+        return
+    dist = _dist()
+    if not dist.is_available():
+        raise RuntimeError("process_group needs torch.distributed, which this PyTorch build does not include")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "process_group was given but torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group(...) first (torchrun sets up its environment)"
+        )
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            "process_group must be a torch.distributed.ProcessGroup (torch.distributed.group.WORLD "
+            f"or one from new_group()) or None, got {type(process_group).__name__}"
+        )
+
+
+def check_devices(process_group, params: Iterable[Tensor]) -> None:
+    """NCCL reduces CUDA tensors only: refuse CPU parameters before anything is sent."""
+    if _dist().get_backend(process_group) == "nccl":
+        on_cpu = [p for p in params if p.device.type != "cuda"]
+        if on_cpu:
+            raise ValueError(
+                f"process_group uses NCCL, which needs CUDA tensors, but {len(on_cpu)} parameter(s) are "
+                f"on {on_cpu[0].device}: move the model to CUDA or use a gloo group"
+            )
+
+
+def _chunks(tensors: list[Tensor], max_bytes: int) -> Iterator[list[Tensor]]:
+    """Consecutive runs of ``tensors`` of at most ``max_bytes`` (a larger tensor alone)."""
+    run, size = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if run and size + nbytes > max_bytes:
+            yield run
+            run, size = [], 0
+        run.append(t)
+        size += nbytes
+    if run:
+        yield run
+
+
+@torch.no_grad()
+def broadcast_parameters(params: list[Tensor], process_group) -> None:
+    """Copy the group's first rank's parameter values to every rank (as DDP does at
+    construction), flattened into buckets per (device, dtype)."""
+    dist = _dist()
+    src = dist.get_global_rank(process_group, 0)
+    is_src = dist.get_rank() == src
+    by_kind = defaultdict(list)
+    for p in params:
+        by_kind[(p.device, p.dtype)].append(p)
+    for tensors in by_kind.values():
+        for run in _chunks(tensors, BUCKET_BYTES):
+            flat = torch.cat([t.detach().reshape(-1) for t in run])
+            dist.broadcast(flat, src=src, group=process_group)
+            if not is_src:
+                for t, piece in zip(run, flat.split([t.numel() for t in run])):
+                    t.copy_(piece.view(t.shape))
+
+
+def ddp_modules_holding(params: Iterable[Tensor]) -> list:
+    """The live DistributedDataParallel modules that wrap any of ``params``.
+
+    DDP marks nothing on a parameter, so this walks the garbage collector's objects once
+    (tens of milliseconds in a large program; done at construction and at the first sync).
+    ``type()`` rather than ``isinstance`` so that no proxy object's ``__class__`` is evaluated.
+    """
+    dist = _dist()
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = {id(p) for p in params}
+    return [obj for obj in gc.get_objects()
+            if issubclass(type(obj), DistributedDataParallel)
+            and any(id(p) in ids for p in obj.module.parameters())]
+
+
+def take_over_from_ddp(owner: str, params: list[Tensor]) -> list:
+    """With a process_group, DDP's all-reduce after every backward would reduce the gradients
+    twice (and average them with equal weight per rank). Turn DDP's gradient sync off, as
+    ``no_sync()`` does for one micro-batch, and say so once."""
+    modules = ddp_modules_holding(params)
+    for ddp in modules:
+        if ddp.require_backward_grad_sync:
+            ddp.require_backward_grad_sync = False
+            warnings.warn(
+                f"accum_fused: {owner}(process_group=...) synchronises gradients once per window; the "
+                "parameters belong to a DistributedDataParallel module, whose gradient all-reduce after "
+                "every backward is now turned off (as under ddp_model.no_sync()). DDP still broadcasts "
+                "buffers in forward. To avoid this message, optimize the unwrapped model without DDP.",
+                stacklevel=4,
+            )
+    return modules
+
+
+def warn_if_ddp_without_sync(owner: str, params: list[Tensor]) -> None:
+    """Without a process_group, DDP averages every micro-batch across ranks with equal weight,
+    so ranks whose ``step(weight=...)`` differ would apply different updates: say so."""
+    for ddp in ddp_modules_holding(params):
+        if ddp.require_backward_grad_sync:
+            warnings.warn(
+                f"accum_fused: the parameters of this {owner} belong to a DistributedDataParallel module, "
+                "which all-reduces every micro-batch's gradients with equal weight per rank: ranks stay "
+                "in step only if they pass the same step(weight=...) values. Pass "
+                "process_group=ddp_model.process_group to synchronise once per window, weighted, with "
+                "k times less traffic.",
+                stacklevel=4,
+            )
+            return
+
+
+class WindowSync:
+    """The flat accumulation buffers of one optimizer and the once-per-window reduce."""
+
+    def __init__(self, process_group, owner: str):
+        self.group = process_group
+        self.owner = owner
+        self.buffers: dict[Tensor, Tensor] = {}
+        # per segment: (flat tensor, [(param, start, end)] in flat order, contiguous)
+        self.segments: list[tuple[Tensor, list[tuple[Tensor, int, int]]]] = []
+        self.ddp_modules: list = []
+        self._ddp_checked_at_sync = False
+
+    def add_params(self, params: list[Tensor], buffer_dtype: Callable[[Tensor], torch.dtype]) -> None:
+        """Broadcast new parameters from the first rank and give them buffers in new segments.
+        Every rank must call this with the same parameters in the same order."""
+        params = [p for p in params if p not in self.buffers]
+        check_devices(self.group, params)
+        broadcast_parameters(params, self.group)
+        by_kind = defaultdict(list)
+        for p in params:
+            by_kind[(p.device, buffer_dtype(p))].append(p)
+        for (device, dtype), members in by_kind.items():
+            flat = torch.empty(sum(p.numel() for p in members), device=device, dtype=dtype)
+            entries, start = [], 0
+            for p in members:
+                # The strides torch.empty_like(p, memory_format=preserve_format) would give (the
+                # buffer layout the kernels expect), on the meta device so nothing is allocated.
+                stride = torch.empty_like(p, device="meta", dtype=dtype, memory_format=torch.preserve_format).stride()
+                self.buffers[p] = flat.as_strided(p.shape, stride, start)
+                entries.append((p, start, start + p.numel()))
+                start += p.numel()
+            self.segments.append((flat, entries))
+        self.ddp_modules += take_over_from_ddp(self.owner, params)
+
+    def _buckets(self, live: set) -> Iterator[Tensor]:
+        """Slices of the flat segments covering exactly the ``live`` parameters, each at most
+        BUCKET_BYTES unless one parameter is larger."""
+        for flat, entries in self.segments:
+            limit = max(1, BUCKET_BYTES // flat.element_size())
+            lo = hi = None
+            for p, start, end in entries:
+                if p in live and lo is not None and end - lo <= limit:
+                    hi = end
+                    continue
+                if lo is not None:
+                    yield flat[lo:hi]
+                lo, hi = (start, end) if p in live else (None, None)
+            if lo is not None:
+                yield flat[lo:hi]
+
+    @torch.no_grad()
+    def reduce_window(self, params: list[Tensor], local_live: set, weight_sum: float,
+                      found_inf: Tensor | None) -> tuple[float, bool, set]:
+        """Collective: every rank of the group must call it once per window, with ``params`` in
+        the same order. Returns (global weight total, any rank non-finite, globally live
+        parameters); unless non-finite, the live parameters' buffers then hold the global sums."""
+        dist = _dist()
+        if not self._ddp_checked_at_sync:
+            # A model wrapped in DDP after this optimizer was built has been syncing every
+            # micro-batch of this window: its gradients were averaged before we saw them.
+            self._ddp_checked_at_sync = True
+            late = [m for m in ddp_modules_holding(params) if m.require_backward_grad_sync]
+            if late:
+                raise RuntimeError(
+                    f"accum_fused: the model was wrapped in DistributedDataParallel after this {self.owner} "
+                    "was created with a process_group, so DDP all-reduced every micro-batch of this window "
+                    "as well: build the optimizer after wrapping the model (it then turns DDP's per-backward "
+                    "sync off), or do not wrap the model in DDP"
+                )
+        device = params[0].device
+        meta = torch.tensor([weight_sum, 0.0] + [float(p in local_live) for p in params], dtype=torch.float64)
+        meta = meta.to(device)
+        if found_inf is not None:
+            meta[1:2] += found_inf.detach().to(device=device, dtype=torch.float64).reshape(1)
+        dist.all_reduce(meta, group=self.group)
+        total, non_finite, *flags = meta.tolist()
+        live = {p for p, flag in zip(params, flags) if flag > 0}
+        if non_finite > 0 or not live:
+            return total, non_finite > 0, live
+        for p in live - local_live:
+            self.buffers[p].zero_()  # stale from an earlier window; this rank adds nothing
+        works = [dist.all_reduce(bucket, group=self.group, async_op=True) for bucket in self._buckets(live)]
+        for work in works:
+            work.wait()
+        return total, False, live

@@ -1,0 +1,279 @@
+"""One rank of the two-process gloo tests (tests/test_distributed.py starts two of these).
+
+    python tests/_dist_worker.py RANK WORLD_SIZE PORT OUT_DIR
+
+Runs every scenario of ``SCENARIOS`` on every backend that loads, each against the
+single-process big batch over all ranks' micro-batches, computed here from the same seeded
+data; writes {"<scenario>[<backend>]": "ok" | failure text} to OUT_DIR/rank<RANK>.json.
+
+The data is uneven on purpose: rank 0 accumulates 3 micro-batches per window, rank 1 two, with
+random sizes; the ranks start from different initial parameters; an auxiliary head gets
+gradients on one rank only in some windows and on no rank in another; the last window is
+partial (rank 0 has one micro-batch, rank 1 none) and closed with flush().
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import accum_fused
+
+STEPS_PER_RANK = (3, 2)  # accumulation_steps of rank 0 and rank 1
+FULL_WINDOWS = 3
+CLIP = 0.5
+
+
+class Net(nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 3)
+        self.aux = nn.Linear(8, 2)  # used by some micro-batches only
+
+    def forward(self, x, y, use_aux: bool) -> torch.Tensor:
+        """Mean loss over the micro-batch's samples (the aux term only where the batch uses it)."""
+        hidden = torch.tanh(self.body(x))
+        loss = nn.functional.mse_loss(self.head(hidden), y)
+        return loss + self.aux(hidden).pow(2).mean() if use_aux else loss
+
+
+def micro_loss(model: nn.Module, micro_batch) -> torch.Tensor:
+    return model(*micro_batch)
+
+
+def make_data(seed: int = 7):
+    """data[rank][window] = micro-batches; the last window is partial."""
+    gen = torch.Generator().manual_seed(seed)
+    data = [[] for _ in STEPS_PER_RANK]
+    for window in range(FULL_WINDOWS + 1):
+        for rank, k in enumerate(STEPS_PER_RANK):
+            count = k if window < FULL_WINDOWS else (1 if rank == 0 else 0)
+            batches = []
+            for i in range(count):
+                n = int(torch.randint(1, 8, (1,), generator=gen))
+                # aux: rank 0 in window 0, rank 1 in window 2, nobody in windows 1 and 3
+                use_aux = (window == 0 and rank == 0) or (window == 2 and rank == 1 and i == 0)
+                batches.append((torch.randn(n, 6, generator=gen), torch.randn(n, 3, generator=gen), use_aux))
+            data[rank].append(batches)
+    return data
+
+
+def reference_params(make_torch_opt, data, clip=None, skip_windows=()):
+    """The single process big batch: rank 0's initial parameters, one torch.optim step per
+    window on the mean loss over every rank's samples of that window."""
+    model = Net(seed=100)
+    opt = make_torch_opt(model.parameters())
+    for window in range(len(data[0])):
+        if window in skip_windows:
+            continue
+        batches = [b for rank_data in data for b in rank_data[window]]
+        total = sum(len(b[0]) for b in batches)
+        opt.zero_grad(set_to_none=True)
+        (sum(len(b[0]) * micro_loss(model, b) for b in batches) / total).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def train(model, opt, batches, scaler=None, poison=None) -> None:
+    for i, b in enumerate(batches):
+        opt.zero_grad(set_to_none=True)
+        loss = micro_loss(model, b)
+        if poison == i:
+            loss = loss * float("inf")
+        if scaler is None:
+            loss.backward()
+            opt.step(weight=len(b[0]))
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt, weight=len(b[0]))
+            scaler.update()
+
+
+def check_close(params, expected, what: str) -> None:
+    assert len(params) == len(expected)
+    for i, (a, b) in enumerate(zip(params, expected)):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}, param {i}: {m}")
+
+
+def check_ranks_identical(params) -> None:
+    """Every rank holds bit-identical parameters (they applied the same update)."""
+    for i, p in enumerate(params):
+        theirs = p.detach().clone()
+        dist.broadcast(theirs, src=0)
+        assert torch.equal(theirs, p.detach()), f"param {i} differs between ranks"
+
+
+# ----------------------------------------------------------------------------- optimizers
+# name -> (accum_fused optimizer factory, torch.optim factory for the big batch, clip)
+def _sgd(params, **kw):
+    return accum_fused.SGD(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, **kw)
+
+
+def _adamw(params, **kw):
+    return accum_fused.AdamW(params, lr=0.01, weight_decay=0.1, max_grad_norm=CLIP, **kw)
+
+
+def _wrapped_rmsprop(params, accumulation_steps, **kw):
+    inner = torch.optim.RMSprop(params, lr=0.01, momentum=0.9, weight_decay=0.01)
+    return accum_fused.GradientAccumulator(inner, accumulation_steps, max_grad_norm=CLIP, **kw)
+
+
+OPTIMIZERS = {
+    "SGD-nesterov": (_sgd, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01), None),
+    "AdamW-clip": (_adamw, lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1), CLIP),
+    "wrapped-RMSprop-clip": (_wrapped_rmsprop,
+                             lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.9, weight_decay=0.01), CLIP),
+}
+
+
+def _build(name, model, rank, backend, group):
+    make, _, _ = OPTIMIZERS[name]
+    return make(model.parameters(), accumulation_steps=STEPS_PER_RANK[rank], process_group=group, backend=backend)
+
+
+# ----------------------------------------------------------------------------- scenarios
+def big_batch(name, rank, backend, group, data):
+    """Several windows and a flushed partial window equal the single-process big batch."""
+    model = Net(seed=100 + rank)  # different initial parameters per rank: broadcast at construction
+    opt = _build(name, model, rank, backend, group)
+    for window in range(FULL_WINDOWS):
+        train(model, opt, data[rank][window])
+        assert opt.updated and opt.update_count == window + 1, (opt.updated, opt.update_count)
+    train(model, opt, data[rank][FULL_WINDOWS])
+    assert opt.flush() is True  # rank 1 has no micro-batch in this window and must still flush
+    assert opt.update_count == FULL_WINDOWS + 1
+    _, make_torch, clip = OPTIMIZERS[name]
+    expected = reference_params(make_torch, data, clip)
+    check_close(list(model.parameters()), expected, name)
+    check_ranks_identical(list(model.parameters()))
+    if clip is not None:
+        assert opt.last_grad_norm is not None and opt.last_grad_norm > 0
+
+
+def inf_skips_window(name, rank, backend, group, data):
+    """A non-finite micro-batch on rank 1 (GradScaler) skips that window on both ranks."""
+    model = Net(seed=100 + rank)
+    opt = _build(name, model, rank, backend, group)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for window in range(FULL_WINDOWS):
+        before = [p.detach().clone() for p in model.parameters()]
+        train(model, opt, data[rank][window], scaler, poison=1 if (window == 1 and rank == 1) else None)
+        if window == 1:
+            assert not opt.updated, "the poisoned window was applied"
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "params moved"
+    train(model, opt, data[rank][FULL_WINDOWS], scaler)
+    assert opt.flush() is True
+    assert opt.update_count == FULL_WINDOWS, opt.update_count
+    _, make_torch, clip = OPTIMIZERS[name]
+    expected = reference_params(make_torch, data, clip, skip_windows=(1,))
+    check_close(list(model.parameters()), expected, name)
+    check_ranks_identical(list(model.parameters()))
+
+
+def resume_mid_window(name, rank, backend, group, data):
+    """state_dict taken in the middle of a window (each rank its own) resumes bit-exactly."""
+    def run(checkpoint_at=None):
+        model = Net(seed=100 + rank)
+        opt = _build(name, model, rank, backend, group)
+        for window in range(FULL_WINDOWS + 1):
+            batches = data[rank][window]
+            if window == checkpoint_at:
+                train(model, opt, batches[:1])
+                blob = io.BytesIO()
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, blob)
+                blob.seek(0)
+                saved = torch.load(blob, weights_only=False)
+                model = Net(seed=999)  # a fresh process would start from other values
+                model.load_state_dict(saved["model"])
+                opt = _build(name, model, rank, backend, group)
+                opt.load_state_dict(saved["opt"])
+                assert opt.micro_step == 1
+                batches = batches[1:]
+            train(model, opt, batches)
+        assert opt.flush()
+        return [p.detach() for p in model.parameters()]
+
+    uninterrupted = run()
+    resumed = run(checkpoint_at=1)
+    for i, (a, b) in enumerate(zip(uninterrupted, resumed)):
+        assert torch.equal(a, b), f"param {i}: resumed run differs by {(a - b).abs().max().item()}"
+
+
+def ddp_model(name, rank, backend, group, data):
+    """A model wrapped in DistributedDataParallel: the optimizer turns DDP's per-backward
+    all-reduce off (saying so) and the result is still the big batch."""
+    model = Net(seed=100 + rank)
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = _build(name, ddp.module, rank, backend, group)
+    assert any("DistributedDataParallel" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert ddp.require_backward_grad_sync is False
+    for window in range(FULL_WINDOWS + 1):
+        train(ddp, opt, data[rank][window])  # forward through DDP, as a DDP user does
+    assert opt.flush()
+    _, make_torch, clip = OPTIMIZERS[name]
+    check_close(list(model.parameters()), reference_params(make_torch, data, clip), name)
+    check_ranks_identical(list(model.parameters()))
+
+
+def empty_flush(name, rank, backend, group, data):
+    """flush() with no micro-batch on any rank applies nothing, on every rank."""
+    model = Net(seed=100 + rank)
+    opt = _build(name, model, rank, backend, group)
+    before = [p.detach().clone() for p in model.parameters()]
+    assert opt.flush() is False and opt.update_count == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+SCENARIOS = {
+    "big_batch": (big_batch, list(OPTIMIZERS)),
+    "inf_skips_window": (inf_skips_window, ["AdamW-clip", "wrapped-RMSprop-clip"]),
+    "resume_mid_window": (resume_mid_window, ["AdamW-clip", "SGD-nesterov", "wrapped-RMSprop-clip"]),
+    "ddp_model": (ddp_model, ["AdamW-clip"]),
+    "empty_flush": (empty_flush, ["SGD-nesterov"]),
+}
+
+
+def case_ids(backends) -> list[str]:
+    return [f"{scenario}-{name}[{backend}]" for scenario, (_, names) in SCENARIOS.items()
+            for name in names for backend in backends]
+
+
+def backends_to_test() -> list[str]:
+    return [b for b in ("torch", "cpp", "triton") if b in accum_fused.available_backends()]
+
+
+def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    group = dist.new_group(list(range(world_size)))  # not WORLD: exercise group-rank mapping
+    data = make_data()
+    results = {}
+    for scenario, (run, names) in SCENARIOS.items():
+        for name in names:
+            for backend in backends_to_test():
+                case = f"{scenario}-{name}[{backend}]"
+                try:
+                    run(name, rank, backend, group, data)
+                    results[case] = "ok"
+                except Exception:  # recorded per case; the ranks stay in step (same code path)
+                    results[case] = traceback.format_exc()
+                dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
