@@ -1,0 +1,146 @@
+"""process_group: two processes with gloo on 127.0.0.1 against the single-process big batch.
+
+The scenarios live in ``_dist_worker.py``; one pair of processes runs all of them (starting
+processes costs seconds each) and every case is reported as its own test here. Single-process
+checks of the argument (bad groups, pickling) are at the bottom.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import accum_fused
+
+from _dist_worker import backends_to_test, case_ids
+
+WORKER = Path(__file__).with_name("_dist_worker.py")
+WORLD_SIZE = 2
+TIMEOUT_S = 300
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="this PyTorch build has no torch.distributed"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory) -> list[dict[str, str]]:
+    out = tmp_path_factory.mktemp("dist")
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")])}
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), str(rank), str(WORLD_SIZE), str(port), str(out)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(WORLD_SIZE)
+    ]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=TIMEOUT_S)[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the two gloo ranks did not finish within {TIMEOUT_S} s (a collective hung?)")
+    finally:
+        for proc in procs:  # never leave a rank behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for rank, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{log[-4000:]}"
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+
+
+@pytest.mark.parametrize("case", case_ids(backends_to_test()))
+def test_two_ranks(rank_results, case):
+    for rank, results in enumerate(rank_results):
+        assert case in results, f"rank {rank} did not run {case}"
+        assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
+
+
+# --------------------------------------------------------------------- one process, no peers
+def test_process_group_needs_initialized_distributed():
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        accum_fused.AdamW(model.parameters(), process_group=object())
+
+
+@pytest.fixture
+def single_rank_group():
+    """A one-process gloo group (collectives are local), torn down afterwards."""
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        yield torch.distributed.group.WORLD
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_process_group_type_is_checked(single_rank_group):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        accum_fused.SGD(model.parameters(), lr=0.1, process_group="world")
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        accum_fused.GradientAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), process_group=1)
+
+
+def test_single_rank_group_matches_no_group(single_rank_group):
+    """With one rank the synchronised optimizer is the plain one, bit for bit."""
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(5, 3) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [accum_fused.AdamW(models[0].parameters(), lr=0.1, accumulation_steps=3, max_grad_norm=0.1),
+            accum_fused.AdamW(models[1].parameters(), lr=0.1, accumulation_steps=3, max_grad_norm=0.1,
+                              process_group=single_rank_group)]
+    gen = torch.Generator().manual_seed(1)
+    for n in (2, 5, 1, 4, 3):
+        x = torch.randn(n, 5, generator=gen)
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step(weight=n)
+    assert [opt.flush() for opt in opts] == [True, True]
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(a, torch.zeros_like(a))
+
+
+def test_synced_optimizer_refuses_pickle_and_deepcopy(single_rank_group):
+    model = torch.nn.Linear(2, 2)
+    for opt in (accum_fused.SGD(model.parameters(), lr=0.1, process_group=single_rank_group),
+                accum_fused.GradientAccumulator(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                process_group=single_rank_group)):
+        with pytest.raises(TypeError, match="state_dict"):
+            copy.deepcopy(opt)
+        with pytest.raises(TypeError, match="state_dict"):
+            pickle.dumps(opt)
+
+
+def test_add_param_group_gets_a_synced_buffer(single_rank_group):
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(3, 1)
+    opt = accum_fused.SGD(first.parameters(), lr=0.1, accumulation_steps=2, process_group=single_rank_group)
+    opt.add_param_group({"params": second.parameters(), "lr": 0.5})
+    before = [p.detach().clone() for p in second.parameters()]
+    for _ in range(2):
+        opt.zero_grad()
+        (first(torch.ones(1, 2)).sum() + second(torch.ones(1, 3)).sum()).backward()
+        opt.step()
+    assert opt.updated
+    for b, p in zip(before, second.parameters()):
+        torch.testing.assert_close(p, b - 0.5 * torch.ones_like(b))
