@@ -151,7 +151,7 @@ def test_is_a_torch_optimizer_with_torch_defaults(backend, name):
 
 @pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW"])
 def test_constructor_signature_extends_torch(name):
-    """torch's arguments with torch's kinds and defaults, plus three keyword-only additions."""
+    """torch's arguments with torch's kinds and defaults, plus four keyword-only additions."""
     ours_cls, torch_cls = OPTIMIZERS[name]
     ours = inspect.signature(ours_cls.__init__).parameters
     ref = inspect.signature(torch_cls.__init__).parameters
@@ -164,6 +164,7 @@ def test_constructor_signature_extends_torch(name):
         "accumulation_steps": (inspect.Parameter.KEYWORD_ONLY, 1),
         "max_grad_norm": (inspect.Parameter.KEYWORD_ONLY, None),
         "backend": (inspect.Parameter.KEYWORD_ONLY, "auto"),
+        "process_group": (inspect.Parameter.KEYWORD_ONLY, None),
     }
     step = inspect.signature(ours_cls.step).parameters
     assert list(step) == ["self", "closure", "weight"]
