@@ -5,10 +5,11 @@ flat tensor per (device, buffer dtype) ("segments", in parameter order, as DDP's
 ``gradient_as_bucket_view``), so each bucket all-reduce works in place, with no copy in or out.
 
 At every window boundary (and on ``flush()``) ``WindowSync.reduce_window`` runs two collectives:
-1. one small fp64 all-reduce of [weight total, non-finite flag, one "has a gradient" flag per
-   parameter]: every rank learns the global weight total, whether any rank saw a non-finite
-   micro-batch (then all skip the window, and nothing else is sent), and which parameters
-   received a gradient on some rank;
+1. one small fp64 all-reduce of [weight total, non-finite flag, flush flag, one "has a
+   gradient" flag per parameter]: every rank learns the global weight total, whether any rank
+   saw a non-finite micro-batch (then all skip the window, and nothing else is sent), which
+   parameters received a gradient on some rank, and whether the ranks disagree on how the
+   window closes (some in step(), some in flush(): an error on every rank, not a hang);
 2. in-place all-reduces (SUM) of the weighted gradient sums of those parameters, in buckets of
    ``BUCKET_BYTES`` over contiguous runs of the flat segments, all in flight at once.
 Every rank then holds the same Σ wᵢgᵢ over all ranks' micro-batches and the same Σ wᵢ, so the
@@ -207,10 +208,11 @@ class WindowSync:
 
     @torch.no_grad()
     def reduce_window(self, params: list[Tensor], local_live: set, weight_sum: float,
-                      found_inf: Tensor | None) -> tuple[float, bool, set]:
+                      found_inf: Tensor | None, flushing: bool) -> tuple[float, bool, set]:
         """Collective: every rank of the group must call it once per window, with ``params`` in
-        the same order. Returns (global weight total, any rank non-finite, globally live
-        parameters); unless non-finite, the live parameters' buffers then hold the global sums."""
+        the same order, all from step() or all from flush(). Returns (global weight total, any
+        rank non-finite, globally live parameters); unless non-finite, the live parameters'
+        buffers then hold the global sums."""
         dist = _dist()
         if not self._ddp_checked_at_sync:
             # A model wrapped in DDP after this optimizer was built has been syncing every
@@ -225,12 +227,20 @@ class WindowSync:
                     "sync off), or do not wrap the model in DDP"
                 )
         device = params[0].device
-        meta = torch.tensor([weight_sum, 0.0] + [float(p in local_live) for p in params], dtype=torch.float64)
-        meta = meta.to(device)
+        meta = [weight_sum, 0.0, float(flushing)] + [float(p in local_live) for p in params]
+        meta = torch.tensor(meta, dtype=torch.float64).to(device)
         if found_inf is not None:
             meta[1:2] += found_inf.detach().to(device=device, dtype=torch.float64).reshape(1)
         dist.all_reduce(meta, group=self.group)
-        total, non_finite, *flags = meta.tolist()
+        total, non_finite, flushers, *flags = meta.tolist()
+        if 0 < flushers < dist.get_world_size(self.group):
+            # Raised on every rank alike (all read the same sums), so none is left waiting.
+            raise RuntimeError(
+                f"accum_fused: {int(flushers)} rank(s) called flush() while the others closed a window in "
+                "step(): every rank must close the same number of windows. Give every rank the same "
+                "number of micro-batches per epoch (DistributedSampler does), or the same number of "
+                "windows through per-rank accumulation_steps, and call flush() on every rank."
+            )
         live = {p for p, flag in zip(params, flags) if flag > 0}
         if non_finite > 0 or not live:
             return total, non_finite > 0, live

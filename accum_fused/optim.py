@@ -197,7 +197,7 @@ class _AccumulatingOptimizer:
         because a micro-batch had non-finite gradients. With a process_group it is collective:
         call it on every rank, including ranks whose window is empty."""
         pending = self.micro_step > 0 or self._sync is not None
-        self.updated = self._finish_window([], 1.0, None) if pending else False
+        self.updated = self._finish_window([], 1.0, None, flushing=True) if pending else False
         return self.updated
 
     def _accumulate(self, pairs, weight: float, grad_scale: Tensor | None, norm_weight_sum: float | None = None):
@@ -228,14 +228,15 @@ class _AccumulatingOptimizer:
             buf = self._buffers[p] = torch.empty_like(p, dtype=_state_dtype(p), memory_format=torch.preserve_format)
         return buf
 
-    def _finish_window(self, last_pairs, last_weight: float, grad_scale: Tensor | None, norms=None) -> bool:
+    def _finish_window(self, last_pairs, last_weight: float, grad_scale: Tensor | None, norms=None,
+                       flushing: bool = False) -> bool:
         """Close the window: skip it if GradScaler saw a non-finite micro-batch, otherwise
         clip and update. ``last_pairs`` is the last micro-batch, not yet accumulated;
         ``norms`` the per-parameter window-gradient norms already computed, if any."""
         weight_sum = self._weight_sum
         if self._sync is not None:
             weight_sum, skip, self._window_params = self._sync.reduce_window(
-                self._all_params(), self._window_params, weight_sum, self._window_found_inf)
+                self._all_params(), self._window_params, weight_sum, self._window_found_inf, flushing)
         else:
             skip = self._window_found_inf is not None and bool(self._window_found_inf.item() > 0)
         applied = not skip and weight_sum > 0  # 0: no rank had a micro-batch (a collective flush)

@@ -237,12 +237,29 @@ def empty_flush(name, rank, backend, group, data):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def mismatched_windows(name, rank, backend, group, data):
+    """Rank 1 closes a window in step() while rank 0 flushes: a clear error on both ranks,
+    not a hang or a silent mix-up."""
+    model = Net(seed=100 + rank)
+    opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=2, process_group=group, backend=backend)
+    batches = data[rank][0][:1] if rank == 0 else data[rank][0][:2]
+    try:
+        train(model, opt, batches)
+        if rank == 0:
+            opt.flush()
+    except RuntimeError as exc:
+        assert "same number of windows" in str(exc), str(exc)
+    else:
+        raise AssertionError("no error for ranks closing windows differently")
+
+
 SCENARIOS = {
     "big_batch": (big_batch, list(OPTIMIZERS)),
     "inf_skips_window": (inf_skips_window, ["AdamW-clip", "wrapped-RMSprop-clip"]),
     "resume_mid_window": (resume_mid_window, ["AdamW-clip", "SGD-nesterov", "wrapped-RMSprop-clip"]),
     "ddp_model": (ddp_model, ["AdamW-clip"]),
     "empty_flush": (empty_flush, ["SGD-nesterov"]),
+    "mismatched_windows": (mismatched_windows, ["SGD-nesterov"]),
 }
 
 

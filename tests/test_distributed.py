@@ -144,3 +144,18 @@ def test_add_param_group_gets_a_synced_buffer(single_rank_group):
     assert opt.updated
     for b, p in zip(before, second.parameters()):
         torch.testing.assert_close(p, b - 0.5 * torch.ones_like(b))
+
+
+def test_readme_torchrun_example_runs():
+    """The README's `torchrun --nproc-per-node 2 examples/data_parallel.py`, as written."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "data_parallel.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(example), "--epochs", "2"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the torchrun example did not finish within {TIMEOUT_S} s")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("parameters identical to rank 0: True") == 2, proc.stdout
+    losses = [float(line.split("mean loss ")[1].split(",")[0]) for line in proc.stdout.splitlines() if "mean loss" in line]
+    assert len(losses) == 2 and losses[1] < losses[0], proc.stdout
