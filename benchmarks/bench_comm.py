@@ -52,6 +52,7 @@ except ImportError:  # not installed: run against the checkout this script lives
     sys.path.insert(0, str(HERE.parent))
     import accum_fused
 from accum_fused import distributed as af_dist
+from accum_fused.bench import cpu_model
 
 CONTENDERS = ("every_micro_batch", "once_native", "accum_fused")
 
@@ -216,7 +217,7 @@ def run_rank(rank: int, world: int, args, port: int | None) -> None:
                 "benchmark": "bench_comm", "date": _dt.datetime.now().isoformat(timespec="seconds"),
                 "command": " ".join(sys.argv), "args": vars(args), "ranks": world,
                 "dist_backend": dist.get_backend(), "bucket_bytes": bucket_bytes,
-                "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine(),
+                "device": torch.cuda.get_device_name() if device.type == "cuda" else cpu_model(),
                 "cpu_count": os.cpu_count(), "torch": torch.__version__, "accum_fused": accum_fused.__version__,
                 "python": platform.python_version(), "max_param_diff_vs_once_native": max_diff, "rows": rows,
             }

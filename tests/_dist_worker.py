@@ -228,6 +228,23 @@ def ddp_model(name, rank, backend, group, data):
     check_ranks_identical(list(model.parameters()))
 
 
+def ddp_wrapped_after_optimizer(name, rank, backend, group, data):
+    """DDP wrapping after the optimizer was built has reduced the window already: the first
+    boundary raises on both ranks (and applies nothing)."""
+    model = Net(seed=100 + rank)
+    opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=2, process_group=group, backend=backend)
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=group, find_unused_parameters=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        # DDP reduces in every backward: both ranks must run the same number of them
+        train(ddp, opt, [(x, y, False) for x, y, _ in data[rank][0][:2]])
+    except RuntimeError as exc:
+        assert "after this" in str(exc) and "DistributedDataParallel" in str(exc), str(exc)
+    else:
+        raise AssertionError("no error for a model wrapped in DDP after the optimizer")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 def empty_flush(name, rank, backend, group, data):
     """flush() with no micro-batch on any rank applies nothing, on every rank."""
     model = Net(seed=100 + rank)
@@ -258,6 +275,7 @@ SCENARIOS = {
     "inf_skips_window": (inf_skips_window, ["AdamW-clip", "wrapped-RMSprop-clip"]),
     "resume_mid_window": (resume_mid_window, ["AdamW-clip", "SGD-nesterov", "wrapped-RMSprop-clip"]),
     "ddp_model": (ddp_model, ["AdamW-clip"]),
+    "ddp_wrapped_after_optimizer": (ddp_wrapped_after_optimizer, ["SGD-nesterov"]),
     "empty_flush": (empty_flush, ["SGD-nesterov"]),
     "mismatched_windows": (mismatched_windows, ["SGD-nesterov"]),
 }
