@@ -122,15 +122,18 @@ class _AccumulatingOptimizer:
             if params is not None and not isinstance(params, (Tensor, set)):
                 params = list(params)  # a generator must survive being read here and in torch
                 param_group = {**param_group, "params": params}
-            for item in [params] if isinstance(params, Tensor) else params or []:
-                tensor = item[1] if isinstance(item, tuple) else item
-                if isinstance(tensor, Tensor) and tensor.is_complex():
-                    raise ValueError(
-                        f"{type(self).__name__} does not support complex parameters; "
-                        "optimize torch.view_as_real(param) instead"
-                    )
-        super().add_param_group(param_group)
+            items = [params] if isinstance(params, Tensor) else params or []
+            self._refuse_complex(item[1] if isinstance(item, tuple) else item for item in items)
+        self._add_group(param_group)
         self._sync_new_group()
+
+    def _add_group(self, param_group) -> None:
+        super().add_param_group(param_group)
+
+    def _refuse_complex(self, tensors) -> None:
+        if any(isinstance(t, Tensor) and t.is_complex() for t in tensors):
+            raise ValueError(f"{type(self).__name__} does not support complex parameters; "
+                             "optimize torch.view_as_real(param) instead")
 
     def _sync_new_group(self) -> None:
         # During torch's __init__ there is no _sync yet: _init_accumulation registers all groups.
@@ -534,10 +537,7 @@ class GradientAccumulator(_AccumulatingOptimizer, torch.optim.Optimizer):
                 "instead of wrapping it"
             )
         _check_accumulation_args(accumulation_steps, max_grad_norm, backend, False, False, process_group)
-        for p in chain.from_iterable(g["params"] for g in optimizer.param_groups):
-            if p.is_complex():
-                raise ValueError("GradientAccumulator does not support complex parameters; "
-                                 "optimize torch.view_as_real(param) instead")
+        self._refuse_complex(chain.from_iterable(g["params"] for g in optimizer.param_groups))
         self.optimizer = optimizer
         # What torch.optim.Optimizer.__init__ sets up besides param_groups/state (the inner
         # optimizer's), so that hooks and LR schedulers work on the wrapper too.
@@ -564,14 +564,8 @@ class GradientAccumulator(_AccumulatingOptimizer, torch.optim.Optimizer):
         return (f"GradientAccumulator({self.optimizer!r}, accumulation_steps={self.accumulation_steps}, "
                 f"max_grad_norm={self.max_grad_norm}, backend={self.backend!r})")
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        params = param_group.get("params") if isinstance(param_group, dict) else None
-        params = [params] if isinstance(params, Tensor) else list(params or [])
-        if any(isinstance(p, Tensor) and p.is_complex() for p in params):
-            raise ValueError("GradientAccumulator does not support complex parameters; "
-                             "optimize torch.view_as_real(param) instead")
-        self.optimizer.add_param_group({**param_group, "params": params})
-        self._sync_new_group()
+    def _add_group(self, param_group) -> None:
+        self.optimizer.add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none)
