@@ -3,8 +3,8 @@
 Call ``opt.step(weight=...)`` after every micro-batch's backward; the optimizer adds the
 gradients into fp32 buffers and applies the update every ``accumulation_steps`` calls (and on
 ``opt.flush()`` for a partial last window). ``process_group=`` synchronises data-parallel ranks
-once per window; ``GradientAccumulator`` gives any torch.optim optimizer the same accumulation. Importing this package loads no extension and
-touches no GPU.
+once per window; ``GradientAccumulator`` gives any torch.optim optimizer the same accumulation.
+Importing this package loads no extension and touches no GPU.
 """
 from .backends import available_backends
 from .optim import SGD, Adam, AdamW, GradientAccumulator

@@ -2,9 +2,8 @@
 
 A backend is a module with the keyword-only functions of ``reference.py`` (``accumulate``,
 ``window_norms``, ``sgd_update``, ``adam_update``, ``write_window_grads``) and
-``supports(device, dtype)``. Backends
-are loaded lazily, on first use, so importing accum_fused never builds, loads or touches
-anything beyond PyTorch itself.
+``supports(device, dtype)``. Backends are loaded lazily, on first use, so importing accum_fused
+never builds, loads or touches anything beyond PyTorch itself.
 """
 from __future__ import annotations
 
