@@ -21,6 +21,7 @@ micro-batches. Nothing here does per-element math beyond zeroing stale buffers.
 from __future__ import annotations
 
 import gc
+import math
 import warnings
 from collections import defaultdict
 from typing import Callable, Iterable, Iterator
@@ -33,6 +34,8 @@ from torch import Tensor
 # Measured with benchmarks/bench_comm.py (2 gloo ranks, 8.4M fp32 params, k=8): 25, 64 and
 # 256 MiB within noise of each other. Not yet measured on NCCL.
 BUCKET_BYTES = 64 << 20
+# Added to a rank's weight band in the metadata all-reduce so that 0 can mean "no micro-batch".
+_BAND_OFFSET = 1 << 20
 
 
 def _dist():
@@ -207,12 +210,14 @@ class WindowSync:
                 yield flat[lo:hi]
 
     @torch.no_grad()
-    def reduce_window(self, params: list[Tensor], local_live: set, weight_sum: float,
+    def reduce_window(self, params: list[Tensor], local_live: set, weight_sum: float, weight_shift: int,
                       found_inf: Tensor | None, flushing: bool) -> tuple[float, bool, set]:
         """Collective: every rank of the group must call it once per window, with ``params`` in
-        the same order, all from step() or all from flush(). Returns (global weight total, any
-        rank non-finite, globally live parameters); unless non-finite, the live parameters'
-        buffers then hold the global sums."""
+        the same order, all from step() or all from flush(). ``weight_sum`` and the buffers are
+        in units of ``2**weight_shift`` (the optimizer's weight band, see optim.py). Returns
+        (global weight total in the group's common units, any rank non-finite, globally live
+        parameters); unless non-finite, the live parameters' buffers then hold the global sums
+        in those units."""
         dist = _dist()
         if not self._ddp_checked_at_sync:
             # A model wrapped in DDP after this optimizer was built has been syncing every
@@ -227,12 +232,22 @@ class WindowSync:
                     "sync off), or do not wrap the model in DDP"
                 )
         device = params[0].device
-        meta = [weight_sum, 0.0, float(flushing)] + [float(p in local_live) for p in params]
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        # Each rank's weight band in its own slot (offset so that 0 means "no micro-batch"): the
+        # sums are added in the highest band present, so the same units on every rank.
+        bands = [0.0] * world
+        if weight_sum > 0:
+            bands[rank] = float(weight_shift + _BAND_OFFSET)
+        true_total = math.ldexp(weight_sum, weight_shift)
+        meta = [true_total, 0.0, float(flushing)] + bands + [float(p in local_live) for p in params]
         meta = torch.tensor(meta, dtype=torch.float64).to(device)
         if found_inf is not None:
             meta[1:2] += found_inf.detach().to(device=device, dtype=torch.float64).reshape(1)
         dist.all_reduce(meta, group=self.group)
-        total, non_finite, flushers, *flags = meta.tolist()
+        total, non_finite, flushers, *rest = meta.tolist()
+        bands, flags = rest[:world], rest[world:]
+        common = max((int(b) - _BAND_OFFSET for b in bands if b > 0), default=weight_shift)
+        total = math.ldexp(total, -common)
         if 0 < flushers < dist.get_world_size(self.group):
             # Raised on every rank alike (all read the same sums), so none is left waiting.
             raise RuntimeError(
@@ -246,6 +261,9 @@ class WindowSync:
             return total, non_finite > 0, live
         for p in live - local_live:
             self.buffers[p].zero_()  # stale from an earlier window; this rank adds nothing
+        if weight_sum > 0 and weight_shift != common:
+            # Rare: weights more than 2**32 apart between ranks. Exact (a power of two).
+            torch._foreach_mul_([self.buffers[p] for p in local_live], math.ldexp(1.0, weight_shift - common))
         works = [dist.all_reduce(bucket, group=self.group, async_op=True) for bucket in self._buckets(live)]
         for work in works:
             work.wait()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections import OrderedDict, defaultdict
 from itertools import chain
 from typing import Any, Callable
@@ -21,10 +22,41 @@ from . import backends, distributed
 
 __all__ = ["SGD", "Adam", "AdamW", "GradientAccumulator"]
 
+# Optimizer state entries that hold one value per parameter element (everything but "step").
+_ELEMENTWISE_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+# Weights are kept in units of 2**shift, shift a multiple of _WEIGHT_BAND, so that any finite
+# positive weight fits the fp32 buffers (uniform 1e-46 weights underflowed fp32 to a zero update,
+# 1e38 overflowed it to NaN). Weights in [1, 2**32) -- counts, token counts -- get shift 0 and the
+# arithmetic is exactly what it was; other shifts are exact powers of two, so results are the same
+# up to fp32 range. A later weight more than 2**_WEIGHT_HEADROOM above the window's units moves
+# the window to its band (one rescaling pass over the live buffers).
+_WEIGHT_BAND = 32
+_WEIGHT_HEADROOM = 64
+
 
 def _state_dtype(param: Tensor) -> torch.dtype:
-    """Buffers and optimizer state: fp64 for fp64 parameters, fp32 for every other dtype."""
+    """Buffers and optimizer state: fp64 for fp64 parameters, fp32 for every other real dtype;
+    complex64 / complex128 for complex parameters (torch.optim's state layout for them)."""
+    if param.is_complex():
+        return torch.complex128 if param.dtype == torch.complex128 else torch.complex64
     return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def _real(t: Tensor) -> Tensor:
+    """Kernels see complex tensors as real ones with a trailing dimension of 2, as torch.optim's
+    own implementations do (torch.view_as_real)."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    # Only FSDP2 / tensor-parallel users have DTensors, and they have imported the module.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _weight_band(weight: float) -> int:
+    return _WEIGHT_BAND * math.floor(math.frexp(weight)[1] / _WEIGHT_BAND)
 
 
 def _as_float(value: float | Tensor) -> float:
@@ -70,15 +102,50 @@ def _check_weight(weight) -> float:
     return weight
 
 
-class _AccumulatingOptimizer:
-    """Window bookkeeping shared by SGD, Adam and AdamW.
+class _Window:
+    """The open accumulation window and the counters derived from it: the one object that
+    step(), flush(), state_dict() and cross-rank sync share. It is changed in place and never
+    re-bound, so a framework wrapper that copies the optimizer's ``__dict__`` (Lightning's
+    LightningOptimizer) reaches the same window instead of splitting it.
 
-    Per parameter, ``_buffers[p]`` holds the weighted gradient sum of the open window in
-    ``_state_dtype(p)``; ``_window_params`` holds the parameters that received a gradient in
-    the open window (their buffers are live; every other buffer is stale and the next
-    gradient overwrites it, so no zeroing pass is ever needed). Subclasses implement
-    ``_apply_window`` (SGD/Adam/AdamW: ``_update`` per backend call, gathering their state and
-    calling the backend's update function; GradientAccumulator: write ``.grad``, inner step).
+    ``buffers[p]`` holds the weighted gradient sum of the open window in ``_state_dtype(p)``, in
+    units of ``2**weight_shift``; ``live`` holds the parameters that received a gradient in the
+    open window (their buffers are live; every other buffer is stale and the next gradient
+    overwrites it, so no zeroing pass is ever needed).
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[Tensor, Tensor] = {}
+        self.live: set[Tensor] = set()
+        self.micro_step = 0
+        self.weight_sum = 0.0  # in units of 2**weight_shift
+        self.weight_shift = 0
+        self.found_inf: Tensor | None = None
+        self.updated = False
+        self.update_count = 0
+        self.last_grad_norm: Tensor | None = None
+
+    def close(self) -> None:
+        self.live.clear()
+        self.micro_step, self.weight_sum, self.weight_shift, self.found_inf = 0, 0.0, 0, None
+
+
+def _window_view(name: str, doc: str) -> property:
+    def get(self):
+        return getattr(self._window, name)
+
+    def set_(self, value):
+        setattr(self._window, name, value)
+
+    return property(get, set_, doc=doc)
+
+
+class _AccumulatingOptimizer:
+    """Window bookkeeping shared by SGD, Adam, AdamW and GradientAccumulator.
+
+    The open window is ``self._window`` (a ``_Window``). Subclasses implement ``_apply_window``
+    (SGD/Adam/AdamW: ``_update`` per backend call, gathering their state and calling the
+    backend's update function; GradientAccumulator: write ``.grad``, inner step).
 
     With a ``process_group`` (``_sync``), the buffers are views into flat per-(device, dtype)
     tensors and each window's sums and weight totals are all-reduced once, before the update
@@ -93,25 +160,24 @@ class _AccumulatingOptimizer:
     # window's sums first (clipping, a cross-rank reduce).
     _folds_last_micro_batch = True
 
+    micro_step = _window_view("micro_step", "Micro-batches in the open window.")
+    updated = _window_view("updated", "Whether the last step()/flush() applied an update.")
+    update_count = _window_view("update_count", "Updates applied (skipped or empty windows do not count).")
+    last_grad_norm = _window_view("last_grad_norm", "Pre-clip global norm of the last clipped window.")
+
     def _init_accumulation(self, accumulation_steps: int, max_grad_norm: float | None, backend: str,
                            process_group) -> None:
         self.accumulation_steps = int(accumulation_steps)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.backend = backend
-        self.micro_step = 0
-        self.updated = False
-        self.update_count = 0
-        self.last_grad_norm: Tensor | None = None
-        self._buffers: dict[Tensor, Tensor] = {}
-        self._window_params: set[Tensor] = set()
-        self._weight_sum = 0.0
-        self._window_found_inf: Tensor | None = None
         self.process_group = process_group
+        self._window = _Window()
         self._sync: distributed.WindowSync | None = None
+        self._check_params(self._all_params())
         if process_group is not None:
             self._sync = distributed.WindowSync(process_group, type(self).__name__)
             self._sync.add_params(self._all_params(), _state_dtype)
-            self._buffers = self._sync.buffers
+            self._window.buffers = self._sync.buffers
         else:
             distributed.warn_if_ddp_without_sync(type(self).__name__, self._all_params())
 
@@ -122,18 +188,35 @@ class _AccumulatingOptimizer:
             if params is not None and not isinstance(params, (Tensor, set)):
                 params = list(params)  # a generator must survive being read here and in torch
                 param_group = {**param_group, "params": params}
-            items = [params] if isinstance(params, Tensor) else params or []
-            self._refuse_complex(item[1] if isinstance(item, tuple) else item for item in items)
+            if hasattr(self, "_window"):  # during torch's __init__, _init_accumulation checks all
+                items = [params] if isinstance(params, Tensor) else params or []
+                self._check_params([item[1] if isinstance(item, tuple) else item for item in items])
         self._add_group(param_group)
         self._sync_new_group()
 
     def _add_group(self, param_group) -> None:
         super().add_param_group(param_group)
 
-    def _refuse_complex(self, tensors) -> None:
-        if any(isinstance(t, Tensor) and t.is_complex() for t in tensors):
-            raise ValueError(f"{type(self).__name__} does not support complex parameters; "
-                             "optimize torch.view_as_real(param) instead")
+    def _check_params(self, tensors) -> None:
+        """Refuse, before anything changes, parameters no backend can run correctly."""
+        dtensors = [t for t in tensors if isinstance(t, Tensor) and _is_dtensor(t)]
+        if not dtensors:
+            return
+        # The reference backend runs DTensor ops shard-locally and correctly; kernels see raw
+        # pointers, and a norm or a cross-rank reduce would need the mesh (not implemented yet).
+        unsupported = []
+        if self.backend not in (backends.AUTO, "torch"):
+            unsupported.append(f"backend={self.backend!r} (use backend='torch' or 'auto')")
+        if self.max_grad_norm is not None:
+            unsupported.append("max_grad_norm (the norm must span every shard; clip with "
+                               "torch.nn.utils.clip_grad_norm_ on an unaccumulated loop meanwhile)")
+        if self.process_group is not None:
+            unsupported.append("process_group (FSDP2 reduces gradients itself)")
+        if unsupported:
+            raise NotImplementedError(
+                f"{type(self).__name__} got DTensor parameters (FSDP2 / tensor parallel), which it does not "
+                f"yet support with: {'; '.join(unsupported)}"
+            )
 
     def _sync_new_group(self) -> None:
         # During torch's __init__ there is no _sync yet: _init_accumulation registers all groups.
@@ -142,6 +225,10 @@ class _AccumulatingOptimizer:
 
     def _all_params(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
+
+    def _param_name(self, p: Tensor) -> str:
+        index = next(i for i, q in enumerate(self._all_params()) if q is p)
+        return f"parameter {index} (shape {tuple(p.shape)}, {p.dtype}, {p.device})"
 
     def _collect_grads(self) -> list[tuple[Tensor, Tensor]]:
         """(param, grad) for every parameter with a gradient; refuses sparse ones first."""
@@ -155,66 +242,142 @@ class _AccumulatingOptimizer:
         return pairs
 
     def _backend_for(self, param: Tensor):
-        return backends.resolve(self.backend, param.device, param.dtype)
+        if _is_dtensor(param):
+            return backends.reference
+        return backends.resolve(self.backend, param.device, param.dtype.to_real())
+
+    def _conform_to_params(self, params, closing: bool) -> None:
+        """Validate before anything changes. A parameter whose dtype or device changed after
+        construction (``model.double()``, ``model.to(...)``) carries its buffer and state
+        along (value-preserving: widening is exact; narrowing rounds what the user narrowed);
+        what cannot follow (a changed shape, flat cross-rank buffers) raises here."""
+        win = self._window
+        for p in params:
+            buf = win.buffers.get(p)
+            if buf is not None and (buf.dtype != _state_dtype(p) or buf.device != p.device or buf.shape != p.shape):
+                if self._sync is not None:
+                    raise RuntimeError(
+                        f"{self._param_name(p)} changed dtype, device or shape after this {type(self).__name__} "
+                        "was built with a process_group, whose buffers are fixed: convert the model before "
+                        "building the optimizer"
+                    )
+                if p not in win.live:
+                    del win.buffers[p]  # stale: the next gradient allocates a fresh one
+                elif buf.shape != p.shape:
+                    raise RuntimeError(f"{self._param_name(p)} changed shape in the middle of a window")
+                else:
+                    win.buffers[p] = buf.to(device=p.device, dtype=_state_dtype(p))
+            if not closing:
+                continue
+            state = self.state.get(p, {})
+            for key in _ELEMENTWISE_STATE:
+                value = state.get(key)
+                if not isinstance(value, Tensor):
+                    continue
+                if value.shape != p.shape:
+                    raise ValueError(
+                        f"optimizer state {key!r} of {self._param_name(p)} has shape {tuple(value.shape)}: the "
+                        "loaded state_dict belongs to another model; load one saved from this model's optimizer"
+                    )
+                if value.dtype != _state_dtype(p) or value.device != p.device:
+                    state[key] = value.to(device=p.device, dtype=_state_dtype(p))
 
     # ------------------------------------------------------------------------------- step
+    @torch.compiler.disable  # the window bookkeeping is host code: torch.compile(opt.step) runs it eagerly
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *, weight: float | Tensor = 1.0):
         """Accumulate this micro-batch's gradients (times ``weight``); on every
         ``accumulation_steps``-th call, apply the update with sum(w_i g_i) / sum(w_i).
         Returns the closure's loss, like torch.optim. With a process_group, the boundary call
-        is collective: every rank reaches it once per window."""
+        is collective: every rank reaches it once per window.
+
+        With ``accumulation_steps > 1`` the gradients are taken: ``.grad`` is None afterwards
+        (the micro-batch lives on in the fp32 buffer), so a ``zero_grad()`` forgotten between
+        micro-batches cannot make autograd add one micro-batch into the next. With
+        ``accumulation_steps=1``, ``.grad`` is left alone, as torch.optim leaves it."""
         weight = _check_weight(weight)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        win = self._window
         pairs = self._collect_grads()
+        closing = win.micro_step + 1 >= self.accumulation_steps
+        self._conform_to_params([p for p, _ in pairs] + list(win.live), closing)
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None:
             # Sum on the device: no host synchronisation per micro-batch.
             found = found_inf.detach().float()
-            self._window_found_inf = found if self._window_found_inf is None else self._window_found_inf + found
-        self.micro_step += 1
-        self._weight_sum += weight
-        if self.micro_step < self.accumulation_steps:
+            found_inf = found if win.found_inf is None else win.found_inf + found
+        else:
+            found_inf = win.found_inf
+        weight = self._enter_weight(weight)
+        # Nothing above changed the window's meaning; from here on the micro-batch is taken.
+        win.micro_step += 1
+        win.weight_sum += weight
+        win.found_inf = found_inf
+        if not closing:
             self._accumulate(pairs, weight, grad_scale)
-            self.updated = False
+            win.updated = False
         elif self._folds_last_micro_batch and self.max_grad_norm is None and self._sync is None:
             # The last micro-batch is folded into the update pass (one pass over the bytes).
-            self.updated = self._finish_window(pairs, weight, grad_scale)
+            win.updated = self._finish_window(pairs, weight, grad_scale)
         else:
             # Clipping needs the whole window's norm first: the last accumulate pass returns it
             # (after a cross-rank reduce the norms are measured on the reduced sums instead).
             local_norms = self.max_grad_norm is not None and self._sync is None
             norms = self._accumulate(pairs, weight, grad_scale,
-                                     norm_weight_sum=self._weight_sum if local_norms else None)
-            self.updated = self._finish_window([], weight, None, norms)
+                                     norm_weight_sum=win.weight_sum if local_norms else None)
+            win.updated = self._finish_window([], weight, None, norms)
+        if self.accumulation_steps > 1:
+            for p, _ in pairs:
+                p.grad = None
         return loss
 
+    def _enter_weight(self, weight: float) -> float:
+        """``weight`` in the window's units (see _WEIGHT_BAND), moving the window to a higher
+        band first when this weight would not fit the current one."""
+        win = self._window
+        band = _weight_band(weight)
+        if win.micro_step == 0:
+            win.weight_shift = band
+        elif band - win.weight_shift > _WEIGHT_HEADROOM:
+            factor = math.ldexp(1.0, win.weight_shift - band)
+            live = [win.buffers[p] for p in win.live]
+            if live:
+                torch._foreach_mul_(live, factor)
+            win.weight_sum *= factor
+            win.weight_shift = band
+        return math.ldexp(weight, -win.weight_shift)
+
+    @torch.compiler.disable
     @torch.no_grad()
     def flush(self) -> bool:
         """Apply a pending partial window, averaged over the weights it holds. Returns True
-        when an update was applied; False when nothing was pending or the window was skipped
-        because a micro-batch had non-finite gradients. With a process_group it is collective:
-        call it on every rank, including ranks whose window is empty."""
-        pending = self.micro_step > 0 or self._sync is not None
-        self.updated = self._finish_window([], 1.0, None, flushing=True) if pending else False
-        return self.updated
+        when an update was applied; False when nothing was pending, the window held no
+        gradient, or it was skipped because a micro-batch had non-finite gradients. With a
+        process_group it is collective: call it on every rank, including ranks whose window is
+        empty."""
+        win = self._window
+        pending = win.micro_step > 0 or self._sync is not None
+        if pending:
+            self._conform_to_params(list(win.live), closing=True)
+        win.updated = self._finish_window([], 1.0, None, flushing=True) if pending else False
+        return win.updated
 
     def _accumulate(self, pairs, weight: float, grad_scale: Tensor | None, norm_weight_sum: float | None = None):
         """Add one micro-batch into the buffers. With ``norm_weight_sum``, also return
         {param: ||acc / norm_weight_sum||} for the parameters accumulated here."""
         calls = defaultdict(list)
         for p, grad in pairs:
-            overwrite = p not in self._window_params
+            overwrite = p not in self._window.live
             calls[(p.device, p.dtype, grad.dtype, overwrite)].append((p, grad))
         norms = {}
         for (_, _, _, overwrite), items in calls.items():
             call_norms = self._backend_for(items[0][0]).accumulate(
-                grads=[g for _, g in items],
-                buffers=[self._buffer(p) for p, _ in items],
+                grads=[_real(g) for _, g in items],
+                buffers=[_real(self._buffer(p)) for p, _ in items],
                 weight=weight,
                 overwrite=overwrite,
                 grad_scale=grad_scale,
@@ -222,52 +385,54 @@ class _AccumulatingOptimizer:
             )
             if call_norms is not None:
                 norms.update(zip([p for p, _ in items], call_norms.unbind()))
-        self._window_params.update(p for p, _ in pairs)
+        self._window.live.update(p for p, _ in pairs)
         return norms
 
     def _buffer(self, p: Tensor) -> Tensor:
-        buf = self._buffers.get(p)
+        buf = self._window.buffers.get(p)
         if buf is None:
-            buf = self._buffers[p] = torch.empty_like(p, dtype=_state_dtype(p), memory_format=torch.preserve_format)
+            buf = self._window.buffers[p] = torch.empty_like(p, dtype=_state_dtype(p),
+                                                             memory_format=torch.preserve_format)
         return buf
 
     def _finish_window(self, last_pairs, last_weight: float, grad_scale: Tensor | None, norms=None,
                        flushing: bool = False) -> bool:
-        """Close the window: skip it if GradScaler saw a non-finite micro-batch, otherwise
-        clip and update. ``last_pairs`` is the last micro-batch, not yet accumulated;
-        ``norms`` the per-parameter window-gradient norms already computed, if any."""
-        weight_sum = self._weight_sum
+        """Close the window: skip it if GradScaler saw a non-finite micro-batch or no parameter
+        received a gradient, otherwise clip and update. ``last_pairs`` is the last micro-batch,
+        not yet accumulated; ``norms`` the per-parameter window-gradient norms already computed."""
+        win = self._window
+        weight_sum = win.weight_sum
         if self._sync is not None:
-            weight_sum, skip, self._window_params = self._sync.reduce_window(
-                self._all_params(), self._window_params, weight_sum, self._window_found_inf, flushing)
+            weight_sum, skip, live = self._sync.reduce_window(
+                self._all_params(), win.live, weight_sum, win.weight_shift, win.found_inf, flushing)
+            win.live.clear()
+            win.live.update(live)
         else:
-            skip = self._window_found_inf is not None and bool(self._window_found_inf.item() > 0)
-        applied = not skip and weight_sum > 0  # 0: no rank had a micro-batch (a collective flush)
-        if applied:
-            clip_coef = None if self.max_grad_norm is None else self._clip_coefficient(weight_sum, norms or {})
-            self._apply_window(dict(last_pairs), last_weight, grad_scale, weight_sum, clip_coef)
-            self.update_count += 1
-        self._window_params = set()
-        self.micro_step = 0
-        self._weight_sum = 0.0
-        self._window_found_inf = None
+            skip = win.found_inf is not None and bool(win.found_inf.item() > 0)
+        # An empty window (no gradient anywhere: no micro-batch on any rank, or only None grads)
+        # is not an update, as torch.optim's step without gradients changes nothing.
+        applied = not skip and weight_sum > 0 and bool(win.live or last_pairs)
+        try:
+            if applied:
+                clip_coef = None if self.max_grad_norm is None else self._clip_coefficient(weight_sum, norms or {})
+                self._apply_window(dict(last_pairs), last_weight, grad_scale, weight_sum, clip_coef)
+                win.update_count += 1
+        finally:
+            win.close()
         return applied
 
     def _clip_coefficient(self, weight_sum: float, norms: dict[Tensor, Tensor]) -> Tensor:
         """min(max_grad_norm / (||g|| + 1e-6), 1) on the device, as clip_grad_norm_ computes
         it. ``norms`` has the per-parameter norms the last accumulate pass produced; the
         window's other parameters (no gradient in that micro-batch) are measured here."""
-        live = [p for p in self._all_params() if p in self._window_params]
-        if not live:
-            self.last_grad_norm = torch.zeros(())
-            return torch.ones(())
+        live = [p for p in self._all_params() if p in self._window.live]
         missing = defaultdict(list)
         for p in live:
             if p not in norms:
                 missing[(p.device, p.dtype)].append(p)
         for params in missing.values():
             measured = self._backend_for(params[0]).window_norms(
-                buffers=[self._buffers[p] for p in params], weight_sum=weight_sum)
+                buffers=[_real(self._window.buffers[p]) for p in params], weight_sum=weight_sum)
             norms = {**norms, **dict(zip(params, measured.unbind()))}
         first_device = live[0].device
         total_norm = torch.linalg.vector_norm(torch.stack([norms[p].to(first_device) for p in live]))
@@ -283,20 +448,22 @@ class _AccumulatingOptimizer:
     def _update_group(self, group, last_grads, last_weight, grad_scale, weight_sum, clip_coef) -> None:
         """Split the group's window parameters into backend calls that share (device, dtype),
         the subclass's call key (Adam's step count) and how the last micro-batch folds in."""
+        live = self._window.live
         calls = defaultdict(list)
         for p in group["params"]:
             grad = last_grads.get(p)
-            if grad is None and p not in self._window_params:
+            if grad is None and p not in live:
                 continue  # no gradient all window: left alone, as torch leaves it
             self._buffer(p)
-            fold = None if grad is None else (grad.dtype, p not in self._window_params)
+            fold = None if grad is None else (grad.dtype, p not in live)
             calls[(p.device, p.dtype, self._call_key(p), fold)].append(p)
         for (_, _, _, fold), params in calls.items():
             last = {}
             if fold is not None:
-                last = dict(grads=[last_grads[p] for p in params], weight=last_weight,
+                last = dict(grads=[_real(last_grads[p]) for p in params], weight=last_weight,
                             overwrite=fold[1], grad_scale=grad_scale)
-            self._update(self._backend_for(params[0]), group, params, [self._buffers[p] for p in params],
+            self._update(self._backend_for(params[0]), group, params,
+                         [_real(self._window.buffers[p]) for p in params],
                          weight_sum=weight_sum, clip_coef=clip_coef, **last)
 
     def _call_key(self, p: Tensor):
@@ -307,9 +474,7 @@ class _AccumulatingOptimizer:
         raise NotImplementedError
 
     # ------------------------------------------------------------------------- state_dict
-    _ACCUMULATION_ATTRS = ("accumulation_steps", "max_grad_norm", "backend", "micro_step", "updated",
-                           "update_count", "last_grad_norm", "_buffers", "_window_params",
-                           "_weight_sum", "_window_found_inf", "process_group", "_sync")
+    _ACCUMULATION_ATTRS = ("accumulation_steps", "max_grad_norm", "backend", "_window", "process_group", "_sync")
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's __getstate__ keeps only defaults/state/param_groups; copy.deepcopy and
@@ -335,16 +500,18 @@ class _AccumulatingOptimizer:
         return {**super().state_dict(), "accumulation": self._accumulation_entry()}
 
     def _accumulation_entry(self) -> dict[str, Any]:
+        win = self._window
         index = {p: i for i, p in enumerate(self._all_params())}
         return {
             "accumulation_steps": self.accumulation_steps,
-            "micro_step": self.micro_step,
-            "weight_sum": self._weight_sum,
-            "update_count": self.update_count,
-            "updated": self.updated,
-            "found_inf": self._window_found_inf,
-            "last_grad_norm": self.last_grad_norm,
-            "buffers": {index[p]: self._buffers[p] for p in self._window_params},
+            "micro_step": win.micro_step,
+            "weight_sum": win.weight_sum,
+            "weight_shift": win.weight_shift,
+            "update_count": win.update_count,
+            "updated": win.updated,
+            "found_inf": win.found_inf,
+            "last_grad_norm": win.last_grad_norm,
+            "buffers": {index[p]: win.buffers[p] for p in win.live},
         }
 
     def _split_accumulation_entry(self, state_dict: dict[str, Any]):
@@ -361,43 +528,59 @@ class _AccumulatingOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load our own state_dict (resuming mid-window exactly) or a torch.optim one of the
-        same class (migration: the window starts empty, state is widened to fp32)."""
-        state_dict, accumulation, by_id = self._split_accumulation_entry(state_dict)
-        # torch casts floating state to the parameter dtype; keep ours wide by loading it here.
-        wide_state, narrow_state = {}, {}
-        for param_id, entry in state_dict["state"].items():
-            narrow_state[param_id] = {k: v for k, v in entry.items() if k not in self._wide_state_keys}
-            wide_state[param_id] = {k: v for k, v in entry.items() if k in self._wide_state_keys}
-        super().load_state_dict({**state_dict, "state": narrow_state})  # validates groups first
+        same class (migration: the window starts empty, state is widened to fp32).
 
-        for param_id, entry in wide_state.items():
-            p = by_id[param_id]
-            for key, value in entry.items():
-                is_tensor = isinstance(value, Tensor)
-                self.state[p][key] = value.to(device=p.device, dtype=_state_dtype(p)) if is_tensor else value
-        for p_state in self.state.values():
-            step = p_state.get("step")
-            if isinstance(step, Tensor) and step.device.type != "cpu":
-                p_state["step"] = step.cpu()  # read every update: keep it off the device
+        torch's load_state_dict runs as it is, so load_state_dict pre and post hooks see and
+        change exactly what they do on torch.optim; torch casts floating state to the parameter
+        dtype, so for reduced-precision parameters the wide state is put back from the loaded
+        values (by a post hook that runs before the user's)."""
+        _, accumulation, by_id = self._split_accumulation_entry(state_dict)
+        loaded = {}
+
+        def capture(optimizer, final_state_dict):  # registered last: sees the user's pre hooks' result
+            loaded["state_dict"] = final_state_dict
+
+        def keep_state_wide(optimizer):  # registered first: runs before the user's post hooks
+            final = loaded["state_dict"]
+            saved_ids = chain.from_iterable(g["params"] for g in final["param_groups"])
+            for param_id, p in zip(saved_ids, self._all_params()):
+                entry, p_state = final["state"].get(param_id), self.state.get(p)
+                if not isinstance(entry, dict) or not isinstance(p_state, dict):
+                    continue
+                for key in self._wide_state_keys:
+                    if isinstance(entry.get(key), Tensor) and key in p_state:
+                        p_state[key] = entry[key].to(device=p.device, dtype=_state_dtype(p))
+                step = p_state.get("step")
+                if isinstance(step, Tensor) and step.device.type != "cpu":
+                    p_state["step"] = step.cpu()  # read every update: keep it off the device
+
+        pre = self.register_load_state_dict_pre_hook(capture)
+        post = self.register_load_state_dict_post_hook(keep_state_wide, prepend=True)
+        try:
+            super().load_state_dict(state_dict)  # validates groups first
+        finally:
+            pre.remove()
+            post.remove()
         self._restore_window(accumulation, by_id)
 
     def _restore_window(self, accumulation: dict[str, Any] | None, by_id: dict) -> None:
         """Reopen the saved window (or start an empty one when the checkpoint has none)."""
-        self._window_params = set()
-        self.micro_step, self._weight_sum, self._window_found_inf = 0, 0.0, None
+        win = self._window
+        win.close()
         if accumulation is None:
             return
-        self.micro_step = accumulation["micro_step"]
-        self._weight_sum = accumulation["weight_sum"]
-        self.update_count = accumulation["update_count"]
-        self.updated = accumulation["updated"]
-        self.last_grad_norm = accumulation["last_grad_norm"]
+        win.micro_step = accumulation["micro_step"]
+        win.weight_sum = accumulation["weight_sum"]
+        win.weight_shift = accumulation.get("weight_shift", 0)  # saved before weight bands: 0
+        win.update_count = accumulation["update_count"]
+        win.updated = accumulation["updated"]
+        win.last_grad_norm = accumulation["last_grad_norm"]
         found = accumulation["found_inf"]
-        self._window_found_inf = None if found is None else found.clone()
+        win.found_inf = None if found is None else found.clone()
         for param_id, saved in accumulation["buffers"].items():
             p = by_id[param_id]
             self._buffer(p).copy_(saved)
-            self._window_params.add(p)
+            win.live.add(p)
 
     def _check_accumulation_entry(self, accumulation: dict[str, Any], by_id: dict) -> None:
         micro_step = accumulation["micro_step"]
@@ -433,16 +616,21 @@ class SGD(_AccumulatingOptimizer, torch.optim.SGD):
 
     def _update(self, backend, group, params, buffers, **window) -> None:
         momentum = _as_float(group["momentum"])
-        momentum_buffers = [self.state[p].get("momentum_buffer") for p in params]
+        # .get on the defaultdict: SGD without momentum keeps no per-parameter entry, as torch.
+        momentum_buffers = [_real(b) if b is not None else None
+                            for b in (self.state.get(p, {}).get("momentum_buffer") for p in params)]
         backend.sgd_update(
-            params=params, buffers=buffers, momentum_buffers=momentum_buffers,
+            params=[_real(p) for p in params], buffers=buffers, momentum_buffers=momentum_buffers,
             lr=_lr(group), momentum=momentum, dampening=_as_float(group["dampening"]),
             weight_decay=_as_float(group["weight_decay"]), nesterov=group["nesterov"],
             maximize=group["maximize"], **window,
         )
         if momentum != 0:
             for p, momentum_buffer in zip(params, momentum_buffers):
-                self.state[p]["momentum_buffer"] = momentum_buffer
+                # A new buffer comes back real; complex parameters keep complex state, as torch's.
+                self.state[p]["momentum_buffer"] = (torch.view_as_complex(momentum_buffer)
+                                                    if p.is_complex() and not momentum_buffer.is_complex()
+                                                    else momentum_buffer)
 
 
 class Adam(_AccumulatingOptimizer, torch.optim.Adam):
@@ -469,7 +657,7 @@ class Adam(_AccumulatingOptimizer, torch.optim.Adam):
 
     def _call_key(self, p: Tensor):
         # Bias corrections depend on the step, which differs for parameters that missed windows.
-        step = self.state[p].get("step")
+        step = self.state.get(p, {}).get("step")
         return 0 if step is None else int(step.item())
 
     def _update(self, backend, group, params, buffers, **window) -> None:
@@ -487,9 +675,9 @@ class Adam(_AccumulatingOptimizer, torch.optim.Adam):
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         backend.adam_update(
-            params=params, buffers=buffers,
-            exp_avgs=[s["exp_avg"] for s in states], exp_avg_sqs=[s["exp_avg_sq"] for s in states],
-            max_exp_avg_sqs=[s["max_exp_avg_sq"] for s in states] if amsgrad else [],
+            params=[_real(p) for p in params], buffers=buffers,
+            exp_avgs=[_real(s["exp_avg"]) for s in states], exp_avg_sqs=[_real(s["exp_avg_sq"]) for s in states],
+            max_exp_avg_sqs=[_real(s["max_exp_avg_sq"]) for s in states] if amsgrad else [],
             step=int(states[0]["step"].item()), lr=_lr(group), beta1=_as_float(beta1),
             beta2=_as_float(beta2), eps=_as_float(group["eps"]), weight_decay=_as_float(group["weight_decay"]),
             amsgrad=amsgrad, maximize=group["maximize"], decoupled_weight_decay=group["decoupled_weight_decay"],
@@ -537,7 +725,6 @@ class GradientAccumulator(_AccumulatingOptimizer, torch.optim.Optimizer):
                 "instead of wrapping it"
             )
         _check_accumulation_args(accumulation_steps, max_grad_norm, backend, False, False, process_group)
-        self._refuse_complex(chain.from_iterable(g["params"] for g in optimizer.param_groups))
         self.optimizer = optimizer
         # What torch.optim.Optimizer.__init__ sets up besides param_groups/state (the inner
         # optimizer's), so that hooks and LR schedulers work on the wrapper too.
@@ -573,7 +760,7 @@ class GradientAccumulator(_AccumulatingOptimizer, torch.optim.Optimizer):
     def _apply_window(self, last_grads, last_weight, grad_scale, weight_sum, clip_coef) -> None:
         calls = defaultdict(list)
         for p in self._all_params():
-            if p in self._window_params:
+            if p in self._window.live or p in last_grads:
                 if p.grad is None:
                     p.grad = torch.empty_like(p)
                 calls[(p.device, p.dtype)].append(p)  # .grad is overwritten in place
@@ -581,9 +768,14 @@ class GradientAccumulator(_AccumulatingOptimizer, torch.optim.Optimizer):
                 p.grad = None
         for params in calls.values():
             self._backend_for(params[0]).write_window_grads(
-                buffers=[self._buffers[p] for p in params], grads=[p.grad for p in params],
+                buffers=[_real(self._window.buffers[p]) for p in params], grads=[_real(p.grad) for p in params],
                 weight_sum=weight_sum, clip_coef=clip_coef)
         self.optimizer.step()
+        if self.accumulation_steps > 1:
+            # The window gradient was ours; a backward into it would add it to the next window.
+            for params in calls.values():
+                for p in params:
+                    p.grad = None
 
     def __getstate__(self) -> dict[str, Any]:
         self._refuse_copy_when_synced()

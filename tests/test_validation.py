@@ -44,15 +44,6 @@ def test_bad_max_grad_norm(backend, name, value):
         OPTIMIZERS[name][0](make_model().parameters(), max_grad_norm=value, backend=backend)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_complex_parameters_refused(backend, name):
-    complex_param = nn.Parameter(torch.zeros(3, dtype=torch.complex64))
-    with pytest.raises(ValueError):
-        OPTIMIZERS[name][0]([complex_param], backend=backend)
-    with pytest.raises(ValueError):
-        OPTIMIZERS[name][0](list(make_model().parameters()) + [complex_param], backend=backend)
-
-
 @pytest.mark.parametrize("name,flag", [
     pytest.param("SGD", "differentiable", id="SGD-differentiable"),
     pytest.param("Adam", "capturable", id="Adam-capturable"),

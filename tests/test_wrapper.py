@@ -220,8 +220,8 @@ def test_deepcopy_and_pickle_keep_the_open_window(backend):
     loss_of(model, make_batches([3])[0]).backward()
     opt.step(weight=3)
     for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
-        assert copied.micro_step == 1 and copied._weight_sum == 3.0
-        assert len(copied._window_params) == len(list(model.parameters()))
+        assert copied.micro_step == 1 and copied._window.weight_sum == 3.0
+        assert len(copied._window.live) == len(list(model.parameters()))
         assert isinstance(copied.optimizer, torch.optim.Adagrad)
 
 
@@ -238,8 +238,6 @@ def test_rejects_bad_input():
         accum_fused.GradientAccumulator(inner, 2, max_grad_norm=-1.0)
     with pytest.raises(ValueError, match="unknown backend"):
         accum_fused.GradientAccumulator(inner, 2, backend="cuda")
-    with pytest.raises(ValueError, match="complex"):
-        accum_fused.GradientAccumulator(torch.optim.Adam([torch.zeros(2, dtype=torch.complex64)]), 2)
     opt = accum_fused.GradientAccumulator(inner, 2)
     with pytest.raises(ValueError, match="weight"):
         opt.step(weight=0.0)

@@ -99,8 +99,9 @@ def resolve(name: str, device: torch.device, dtype: torch.dtype) -> ModuleType:
     candidates = _auto_candidates(device) if name == AUTO else (name,)
     for candidate in candidates:
         module = _load(candidate)
-        if module is not None and module.supports(device, dtype):
+        if module is not None and module is not reference and module.supports(device, dtype):
             return module
+    # The reference, by choice, for a dtype no kernel backend supports, or as a fallback.
     failed = {n: _unavailable[n] for n in candidates if n in _unavailable and n in _SHIPPED}
     if name == AUTO and failed and not _warned_auto_fallback:
         _warned_auto_fallback = True
