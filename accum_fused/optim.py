@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
+import weakref
 from collections import OrderedDict, defaultdict
 from itertools import chain
 from typing import Any, Callable
@@ -140,6 +141,31 @@ def _window_view(name: str, doc: str) -> property:
     return property(get, set_, doc=doc)
 
 
+class _BackwardPass:
+    """The micro-batch a running backward pass is adding (in_backward)."""
+
+    def __init__(self, weight: float, weight_sum: float, closing: bool, fold: bool):
+        self.weight, self.weight_sum = weight, weight_sum  # in the window's units, sum including this one
+        self.closing = closing  # the window's last micro-batch
+        self.fold = fold  # update each parameter inside its hook
+        self.seen: set[Tensor] = set()
+        self.done: set[Tensor] = set()
+
+
+def _make_grad_hook(optimizer_ref: weakref.ref) -> Callable[[Tensor], None]:
+    def hook(param: Tensor) -> None:
+        optimizer = optimizer_ref()
+        if optimizer is not None:
+            optimizer._take_grad(param)
+    return hook
+
+
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
 class _AccumulatingOptimizer:
     """Window bookkeeping shared by SGD, Adam, AdamW and GradientAccumulator.
 
@@ -166,13 +192,19 @@ class _AccumulatingOptimizer:
     last_grad_norm = _window_view("last_grad_norm", "Pre-clip global norm of the last clipped window.")
 
     def _init_accumulation(self, accumulation_steps: int, max_grad_norm: float | None, backend: str,
-                           process_group) -> None:
+                           process_group, in_backward: bool = False) -> None:
+        if not isinstance(in_backward, bool):
+            raise TypeError(f"in_backward must be a bool, got {type(in_backward).__name__}")
         self.accumulation_steps = int(accumulation_steps)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.backend = backend
         self.process_group = process_group
+        self.in_backward = in_backward
         self._window = _Window()
         self._sync: distributed.WindowSync | None = None
+        self._backward_pass: _BackwardPass | None = None
+        self._pending_weight: float | None = None
+        self._hook_handles: list = []
         self._check_params(self._all_params())
         if process_group is not None:
             self._sync = distributed.WindowSync(process_group, type(self).__name__)
@@ -180,6 +212,10 @@ class _AccumulatingOptimizer:
             self._window.buffers = self._sync.buffers
         else:
             distributed.warn_if_ddp_without_sync(type(self).__name__, self._all_params())
+        if in_backward:
+            self._register_hooks(self._all_params())
+            # Hooks hold the optimizer weakly; when it is collected they go with it.
+            weakref.finalize(self, _remove_hooks, self._hook_handles)
 
     # ----------------------------------------------------------------------------- params
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -212,6 +248,8 @@ class _AccumulatingOptimizer:
                                "torch.nn.utils.clip_grad_norm_ on an unaccumulated loop meanwhile)")
         if self.process_group is not None:
             unsupported.append("process_group (FSDP2 reduces gradients itself)")
+        if getattr(self, "in_backward", False):
+            unsupported.append("in_backward (FSDP2's hooks own the sharded gradients)")
         if unsupported:
             raise NotImplementedError(
                 f"{type(self).__name__} got DTensor parameters (FSDP2 / tensor parallel), which it does not "
@@ -222,6 +260,8 @@ class _AccumulatingOptimizer:
         # During torch's __init__ there is no _sync yet: _init_accumulation registers all groups.
         if getattr(self, "_sync", None) is not None:
             self._sync.add_params(self.param_groups[-1]["params"], _state_dtype)
+        if getattr(self, "in_backward", False):
+            self._register_hooks(self.param_groups[-1]["params"])
 
     def _all_params(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -296,6 +336,8 @@ class _AccumulatingOptimizer:
         micro-batches cannot make autograd add one micro-batch into the next. With
         ``accumulation_steps=1``, ``.grad`` is left alone, as torch.optim leaves it."""
         weight = _check_weight(weight)
+        if self.in_backward:
+            self._check_in_backward_step(weight)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -315,7 +357,9 @@ class _AccumulatingOptimizer:
         weight = self._enter_weight(weight)
         # Nothing above changed the window's meaning; from here on the micro-batch is taken.
         win.micro_step += 1
-        win.weight_sum += weight
+        # in_backward mode A: the buffers hold the sum of the loop's backward passes (what
+        # autograd would have summed into .grad), so the window's divisor is 1.
+        win.weight_sum = 1.0 if self.in_backward else win.weight_sum + weight
         win.found_inf = found_inf
         if not closing:
             self._accumulate(pairs, weight, grad_scale)
@@ -360,11 +404,159 @@ class _AccumulatingOptimizer:
         process_group it is collective: call it on every rank, including ranks whose window is
         empty."""
         win = self._window
+        if self._backward_pass is not None:
+            raise RuntimeError("flush() was called inside a backward pass; call it after backward returns")
         pending = win.micro_step > 0 or self._sync is not None
+        if self.in_backward and self.accumulation_steps == 1:
+            win.weight_sum = 1.0 if win.live else 0.0  # mode A: a sum (see step)
         if pending:
             self._conform_to_params(list(win.live), closing=True)
         win.updated = self._finish_window([], 1.0, None, flushing=True) if pending else False
         return win.updated
+
+    # ------------------------------------------------------------------------ in_backward
+    # A post-accumulate-grad hook per parameter takes each fresh gradient into the window and
+    # frees .grad. The first hook of a backward pass opens the micro-batch (_BackwardPass) and
+    # queues _end_backward_pass on the autograd engine, which counts it and, on the window's
+    # last micro-batch, finishes the update. Without clipping or a process group, each
+    # parameter of the last micro-batch is updated inside its own hook (its last gradient
+    # fused into the update); otherwise the whole window is updated at the end of backward.
+
+    def _register_hooks(self, params) -> None:
+        hook = _make_grad_hook(weakref.ref(self))
+        for p in params:
+            if p.requires_grad:
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
+        self._group_of = {p: group for group in self.param_groups for p in group["params"]}
+
+    def _check_in_backward_step(self, weight: float) -> None:
+        if getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}(in_backward=True) cannot be driven by torch.amp.GradScaler: GradScaler "
+                "finds non-finite gradients by reading .grad, which in_backward frees inside backward. Use bf16 "
+                "autocast (no scaler needed), or in_backward=False with GradScaler"
+            )
+        if self.accumulation_steps > 1:
+            raise RuntimeError(
+                f"{type(self).__name__}(in_backward=True, accumulation_steps={self.accumulation_steps}) applies the "
+                "update inside the window's last backward pass: call opt.backward(loss, weight=...) per "
+                "micro-batch and no step() (or use accumulation_steps=1 and step() where your loop updates)"
+            )
+        if weight != 1.0:
+            raise ValueError(
+                "step(weight=...) has no meaning with in_backward=True and accumulation_steps=1: the gradients "
+                "were summed during backward, as autograd sums .grad; scale the loss instead"
+            )
+        if self._backward_pass is not None:
+            raise RuntimeError("step() was called inside a backward pass; call it after backward returns")
+
+    def backward(self, loss: Tensor, *, weight: float | Tensor = 1.0, **backward_kwargs) -> None:
+        """in_backward: run ``loss.backward(**backward_kwargs)`` as one micro-batch of weight
+        ``weight``. With ``accumulation_steps=k > 1`` the k-th call applies the update before
+        it returns (``updated`` says so). With ``accumulation_steps=1`` the gradients are summed
+        (weight must be 1) and ``step()`` applies them."""
+        if not self.in_backward:
+            raise RuntimeError(f"{type(self).__name__}.backward() needs in_backward=True; otherwise call "
+                               "loss.backward() and step(weight=...)")
+        weight = _check_weight(weight)
+        if self.accumulation_steps == 1 and weight != 1.0:
+            raise ValueError("with in_backward=True and accumulation_steps=1 the backward passes are summed: "
+                             "weight must be 1 (scale the loss instead), or set accumulation_steps")
+        if self._backward_pass is not None:
+            raise RuntimeError("opt.backward() was called inside another backward pass")
+        self._pending_weight = weight
+        try:
+            torch.autograd.backward(loss, **backward_kwargs)
+            if self._pending_weight is not None:
+                # No parameter of this optimizer received a gradient: still one micro-batch.
+                self._begin_backward_pass()
+                self._end_backward_pass()
+        finally:
+            self._pending_weight = None
+            self._backward_pass = None
+
+    @torch.no_grad()
+    def _take_grad(self, p: Tensor) -> None:
+        """The post-accumulate-grad hook's work for ``p``."""
+        grad = p.grad
+        if grad is None:
+            return
+        if grad.is_sparse:
+            raise RuntimeError(f"{type(self).__name__}(in_backward=True) does not support sparse gradients; "
+                               "use nn.Embedding(sparse=False)")
+        mb = self._backward_pass
+        if mb is None:
+            mb = self._begin_backward_pass()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_pass)
+        if p in mb.seen:
+            raise RuntimeError(
+                f"{self._param_name(p)} received two gradients in one backward pass (its post-accumulate-grad hook "
+                "fired twice, e.g. under compiled autograd or a reentrant checkpoint): in_backward cannot tell "
+                "its micro-batches apart; use in_backward=False"
+            )
+        mb.seen.add(p)
+        p.grad = None
+        win = self._window
+        if mb.fold:
+            live = p in win.live
+            buf = _real(self._buffer(p))
+            self._update(self._backend_for(p), self._group_of[p], [p], [buf], weight_sum=mb.weight_sum,
+                         clip_coef=None, grads=[_real(grad)], weight=mb.weight, overwrite=not live, grad_scale=None)
+            mb.done.add(p)
+        elif p not in win.live and self._can_adopt(p, grad, mb.weight):
+            win.buffers[p] = grad  # zero-copy: autograd's fresh gradient becomes the buffer
+            win.live.add(p)
+        else:
+            self._backend_for(p).accumulate(grads=[_real(grad)], buffers=[_real(self._buffer(p))],
+                                            weight=mb.weight, overwrite=p not in win.live)
+            win.live.add(p)
+
+    def _can_adopt(self, p: Tensor, grad: Tensor, weight: float) -> bool:
+        """Whether the first gradient of a window can be the buffer itself: the same dtype and
+        layout, weight 1, nothing else holding it (a view may be DDP's bucket), no flat buffers."""
+        return (weight == 1.0 and self._sync is None and grad.dtype == _state_dtype(p) and grad.device == p.device
+                and grad._base is None and grad.is_contiguous() and p.is_contiguous())
+
+    def _begin_backward_pass(self) -> _BackwardPass:
+        win = self._window
+        weight = 1.0 if self._pending_weight is None else self._pending_weight
+        self._pending_weight = None
+        sums = self.accumulation_steps == 1  # mode A: the loop owns the window
+        closing = not sums and win.micro_step + 1 >= self.accumulation_steps
+        self._conform_to_params(list(win.live), closing)
+        if sums:
+            win.weight_shift = 0
+        else:
+            weight = self._enter_weight(weight)
+        fold = closing and self.max_grad_norm is None and self._sync is None
+        self._backward_pass = _BackwardPass(weight, win.weight_sum + weight, closing, fold)
+        return self._backward_pass
+
+    @torch.no_grad()
+    def _end_backward_pass(self) -> None:
+        """Queued on the autograd engine by the first hook: runs once the backward pass is done."""
+        mb, self._backward_pass = self._backward_pass, None
+        if mb is None:
+            return
+        win = self._window
+        win.micro_step += 1
+        win.weight_sum = mb.weight_sum
+        if not mb.closing:
+            win.updated = False
+            return
+        if not mb.fold:
+            win.updated = self._finish_window([], mb.weight, None)
+            return
+        # Parameters updated in their hooks are done; the window's others (no gradient in its
+        # last micro-batch) are updated here.
+        try:
+            win.live -= mb.done
+            if win.live:
+                self._apply_window({}, mb.weight, None, mb.weight_sum, None)
+            win.updated = bool(mb.done or win.live)
+            win.update_count += win.updated
+        finally:
+            win.close()
 
     def _accumulate(self, pairs, weight: float, grad_scale: Tensor | None, norm_weight_sum: float | None = None):
         """Add one micro-batch into the buffers. With ``norm_weight_sum``, also return
@@ -474,7 +666,8 @@ class _AccumulatingOptimizer:
         raise NotImplementedError
 
     # ------------------------------------------------------------------------- state_dict
-    _ACCUMULATION_ATTRS = ("accumulation_steps", "max_grad_norm", "backend", "_window", "process_group", "_sync")
+    _ACCUMULATION_ATTRS = ("accumulation_steps", "max_grad_norm", "backend", "_window", "process_group", "_sync",
+                           "in_backward", "_backward_pass", "_pending_weight", "_hook_handles")
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's __getstate__ keeps only defaults/state/param_groups; copy.deepcopy and
@@ -484,10 +677,24 @@ class _AccumulatingOptimizer:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        for key in ("process_group", "_sync"):  # pickled before process_group existed
+        for key in ("process_group", "_sync", "_backward_pass", "_pending_weight"):  # pickled by older versions
             self.__dict__.setdefault(key, None)
+        self.__dict__.setdefault("in_backward", False)
+        self.__dict__.setdefault("_hook_handles", [])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad; with in_backward and accumulation_steps=1 it also empties the
+        buffers, which hold what .grad would have held (with k > 1 the window is the optimizer's)."""
+        super().zero_grad(set_to_none)
+        if getattr(self, "in_backward", False) and self.accumulation_steps == 1:
+            self._window.close()
 
     def _refuse_copy_when_synced(self) -> None:
+        if getattr(self, "in_backward", False):
+            raise TypeError(
+                f"a {type(self).__name__} with in_backward=True cannot be pickled or deep-copied (its hooks live on "
+                "the model's parameters); save and load its state_dict() instead"
+            )
         if self._sync is not None:
             raise TypeError(
                 f"a {type(self).__name__} with a process_group cannot be pickled or deep-copied (a process "
@@ -608,11 +815,11 @@ class SGD(_AccumulatingOptimizer, torch.optim.SGD):
                  weight_decay: float | Tensor = 0, nesterov: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None,
                  accumulation_steps: int = 1, max_grad_norm: float | None = None, backend: str = "auto",
-                 process_group=None):
+                 process_group=None, in_backward: bool = False):
         _check_accumulation_args(accumulation_steps, max_grad_norm, backend, False, differentiable, process_group)
         torch.optim.SGD.__init__(self, params, lr, momentum, dampening, weight_decay, nesterov, maximize=maximize,
                                  foreach=foreach, differentiable=differentiable, fused=fused)
-        self._init_accumulation(accumulation_steps, max_grad_norm, backend, process_group)
+        self._init_accumulation(accumulation_steps, max_grad_norm, backend, process_group, in_backward)
 
     def _update(self, backend, group, params, buffers, **window) -> None:
         momentum = _as_float(group["momentum"])
@@ -647,13 +854,13 @@ class Adam(_AccumulatingOptimizer, torch.optim.Adam):
                  maximize: bool = False, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, decoupled_weight_decay: bool = False,
                  accumulation_steps: int = 1, max_grad_norm: float | None = None, backend: str = "auto",
-                 process_group=None):
+                 process_group=None, in_backward: bool = False):
         _check_accumulation_args(accumulation_steps, max_grad_norm, backend, capturable, differentiable,
                                  process_group)
         torch.optim.Adam.__init__(self, params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                                   maximize=maximize, capturable=capturable, differentiable=differentiable,
                                   fused=fused, decoupled_weight_decay=decoupled_weight_decay)
-        self._init_accumulation(accumulation_steps, max_grad_norm, backend, process_group)
+        self._init_accumulation(accumulation_steps, max_grad_norm, backend, process_group, in_backward)
 
     def _call_key(self, p: Tensor):
         # Bias corrections depend on the step, which differs for parameters that missed windows.
@@ -692,11 +899,12 @@ class AdamW(Adam, torch.optim.AdamW):
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, accumulation_steps: int = 1, max_grad_norm: float | None = None,
-                 backend: str = "auto", process_group=None):
+                 backend: str = "auto", process_group=None, in_backward: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, accumulation_steps=accumulation_steps,
-                         max_grad_norm=max_grad_norm, backend=backend, process_group=process_group)
+                         max_grad_norm=max_grad_norm, backend=backend, process_group=process_group,
+                         in_backward=in_backward)
 
 
 class GradientAccumulator(_AccumulatingOptimizer, torch.optim.Optimizer):
