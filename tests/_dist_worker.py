@@ -67,33 +67,36 @@ def make_data(seed: int = 7):
     return data
 
 
-def reference_params(make_torch_opt, data, clip=None, skip_windows=()):
+def reference_params(make_torch_opt, data, clip=None, skip_windows=(), rank_scale=(1.0, 1.0)):
     """The single process big batch: rank 0's initial parameters, one torch.optim step per
-    window on the mean loss over every rank's samples of that window."""
+    window on the mean loss over every rank's samples of that window (a rank's samples weighing
+    ``rank_scale[rank]`` each)."""
     model = Net(seed=100)
     opt = make_torch_opt(model.parameters())
     for window in range(len(data[0])):
         if window in skip_windows:
             continue
-        batches = [b for rank_data in data for b in rank_data[window]]
-        total = sum(len(b[0]) for b in batches)
+        batches = [(b, scale) for rank_data, scale in zip(data, rank_scale) for b in rank_data[window]]
+        total = sum(len(b[0]) * scale for b, scale in batches)
         opt.zero_grad(set_to_none=True)
-        (sum(len(b[0]) * micro_loss(model, b) for b in batches) / total).backward()
+        (sum(len(b[0]) * scale / total * micro_loss(model, b) for b, scale in batches)).backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return [p.detach() for p in model.parameters()]
 
 
-def train(model, opt, batches, scaler=None, poison=None) -> None:
+def train(model, opt, batches, scaler=None, poison=None, weight_scale=1.0) -> None:
     for i, b in enumerate(batches):
         opt.zero_grad(set_to_none=True)
         loss = micro_loss(model, b)
         if poison == i:
             loss = loss * float("inf")
-        if scaler is None:
+        if getattr(opt, "in_backward", False):
+            opt.backward(loss, weight=len(b[0]) * weight_scale)
+        elif scaler is None:
             loss.backward()
-            opt.step(weight=len(b[0]))
+            opt.step(weight=len(b[0]) * weight_scale)
         else:
             scaler.scale(loss).backward()
             scaler.step(opt, weight=len(b[0]))
@@ -270,6 +273,37 @@ def mismatched_windows(name, rank, backend, group, data):
         raise AssertionError("no error for ranks closing windows differently")
 
 
+def in_backward_big_batch(name, rank, backend, group, data):
+    """in_backward mode B (opt.backward per micro-batch, the update in the k-th backward, the
+    window all-reduced at the end of it) equals the single-process big batch."""
+    model = Net(seed=100 + rank)
+    make, make_torch, clip = OPTIMIZERS[name]
+    opt = make(model.parameters(), accumulation_steps=STEPS_PER_RANK[rank], process_group=group, backend=backend,
+               in_backward=True)
+    for window in range(FULL_WINDOWS):
+        train(model, opt, data[rank][window])
+        assert opt.updated and opt.update_count == window + 1, (opt.updated, opt.update_count)
+        assert all(p.grad is None for p in model.parameters())
+    train(model, opt, data[rank][FULL_WINDOWS])
+    assert opt.flush() is True
+    check_close(list(model.parameters()), reference_params(make_torch, data, clip), name)
+    check_ranks_identical(list(model.parameters()))
+
+
+def weight_bands_differ(name, rank, backend, group, data):
+    """Rank 0's weights are 1e12 times rank 1's (another 2**32 band): the sums are brought to
+    common units before the all-reduce, and the result is still the weighted big batch."""
+    scale = (1e12, 1.0)
+    model = Net(seed=100 + rank)
+    opt = _build(name, model, rank, backend, group)
+    for window in range(FULL_WINDOWS + 1):
+        train(model, opt, data[rank][window], weight_scale=scale[rank])
+    assert opt.flush()
+    _, make_torch, clip = OPTIMIZERS[name]
+    check_close(list(model.parameters()), reference_params(make_torch, data, clip, rank_scale=scale), name)
+    check_ranks_identical(list(model.parameters()))
+
+
 SCENARIOS = {
     "big_batch": (big_batch, list(OPTIMIZERS)),
     "inf_skips_window": (inf_skips_window, ["AdamW-clip", "wrapped-RMSprop-clip"]),
@@ -278,6 +312,8 @@ SCENARIOS = {
     "ddp_wrapped_after_optimizer": (ddp_wrapped_after_optimizer, ["SGD-nesterov"]),
     "empty_flush": (empty_flush, ["SGD-nesterov"]),
     "mismatched_windows": (mismatched_windows, ["SGD-nesterov"]),
+    "in_backward_big_batch": (in_backward_big_batch, ["SGD-nesterov", "AdamW-clip"]),
+    "weight_bands_differ": (weight_bands_differ, ["AdamW-clip"]),
 }
 
 
