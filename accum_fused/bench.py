@@ -274,6 +274,43 @@ def native_adamw_impl(device: torch.device, dtype: torch.dtype) -> str:
         return "foreach"
 
 
+def held_tensor_bytes(params, opt) -> int:
+    """Bytes of the distinct storages behind ``params`` and every tensor an optimizer holds
+    between windows: its ``state`` and whatever else hangs off it two levels deep (accum_fused's
+    accumulation buffers, wherever the optimizer keeps them). Views of one storage count once."""
+    seen, total = set(), 0
+
+    def add(t) -> None:
+        nonlocal total
+        if isinstance(t, torch.Tensor) and t.numel():
+            storage = t.untyped_storage()
+            key = (t.device, storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+
+    def walk(obj, depth: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            add(obj)
+        elif depth <= 0:
+            return
+        elif isinstance(obj, dict):
+            for key, value in obj.items():
+                walk(key, depth - 1)
+                walk(value, depth - 1)
+        elif isinstance(obj, (list, tuple, set)):
+            for value in obj:
+                walk(value, depth - 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            walk(vars(obj), depth - 1)
+
+    for p in params:
+        add(p)
+    walk(opt.state, 3)
+    walk({k: v for k, v in vars(opt).items() if k not in ("state", "param_groups")}, 4)
+    return total
+
+
 # ---------------------------------------------------------------------------- contenders
 class Native:
     name = "native"
@@ -297,6 +334,9 @@ class Native:
         self.opt.step()
         self.opt.zero_grad()
 
+    def resident_bytes(self) -> int:
+        return held_tensor_bytes(self.params, self.opt)
+
     def check(self, windows: int) -> None:
         steps = {int(self.opt.state[p]["step"]) for p in self.params}
         assert steps == {windows}, f"native: expected {windows} updates, state says {steps}"
@@ -317,6 +357,9 @@ class AccumFused:
                 p.grad = g
             self.opt.step()
             self.opt.zero_grad()
+
+    def resident_bytes(self) -> int:
+        return held_tensor_bytes(self.params, self.opt)
 
     def check(self, windows: int) -> None:
         assert self.opt.micro_step == 0 and self.opt.update_count == windows, (
@@ -404,17 +447,32 @@ def make_tensors(shapes, device, dtype, grad_sets: int, seed: int):
     return init, grads
 
 
-def time_contenders(contenders, timer: Timer, warmup: int, repeats: int) -> dict[str, list[float]]:
+def time_contenders(contenders, timer: Timer, warmup: int, repeats: int,
+                    peaks: dict[str, int] | None = None) -> dict[str, list[float]]:
     """Interleaved rounds: every contender runs one window per round; the first mover rotates so
-    none always runs right after the same neighbour. Returns the timed rounds' ms per contender."""
+    none always runs right after the same neighbour. Returns the timed rounds' ms per contender.
+
+    ``peaks`` (CUDA only): filled with each contender's peak memory, the peak
+    ``torch.cuda.max_memory_allocated`` of its windows less what was allocated when the window
+    began, plus the bytes the contender itself holds (parameters, optimizer state, accumulation
+    buffers): the peak it would reach alone, the shared gradient sets not counted. Read outside
+    the timed region (the Timer synchronises before each window anyway)."""
     times: dict[str, list[float]] = {c.name: [] for c in contenders}
     n = len(contenders)
+    track = peaks is not None and timer.cuda
     gc.collect()
     gc.disable()
     try:
         for r in range(warmup + repeats):
             for c in contenders[r % n:] + contenders[:r % n]:
+                if track:
+                    torch.cuda.synchronize()
+                    before = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
                 ms = timer(c.window)
+                if track:
+                    peak = torch.cuda.max_memory_allocated() - before + c.resident_bytes()
+                    peaks[c.name] = max(peaks.get(c.name, 0), peak)
                 if r >= warmup:
                     times[c.name].append(ms)
     finally:
@@ -425,7 +483,8 @@ def time_contenders(contenders, timer: Timer, warmup: int, repeats: int) -> dict
     return times
 
 
-def summarise(contenders, times, *, k: int, clip: bool, esize: int, numel: int, copy: dict, add: dict) -> list[dict]:
+def summarise(contenders, times, *, k: int, clip: bool, esize: int, numel: int, copy: dict, add: dict,
+              peaks: dict[str, int] | None = None) -> list[dict]:
     native_times = times["native"]
     results = []
     for c in contenders:
@@ -442,6 +501,8 @@ def summarise(contenders, times, *, k: int, clip: bool, esize: int, numel: int, 
             "ratio_of_medians_vs_native": med / statistics.median(native_times),
             "gbps": gbps, "pct_copy_bandwidth": 100 * gbps / copy["gbps"],
             "pct_add_bandwidth": 100 * gbps / add["gbps"],
+            # CUDA: see time_contenders; None on CPU (no allocator peak to read)
+            "peak_memory_bytes": (peaks or {}).get(c.name),
         })
     return results
 
@@ -543,9 +604,10 @@ def window_main(argv=None, results_dir: Path | None = None) -> int:
           f"native {contenders[0].label}; {args.warmup} warm-up + {args.repeats} timed rounds", flush=True)
 
     load_before = loadavg()
-    times = time_contenders(contenders, timer, args.warmup, args.repeats)
+    peaks: dict[str, int] = {}
+    times = time_contenders(contenders, timer, args.warmup, args.repeats, peaks)
     results = summarise(contenders, times, k=args.k, clip=max_grad_norm is not None, esize=dtype.itemsize,
-                        numel=numel, copy=copy, add=add)
+                        numel=numel, copy=copy, add=add, peaks=peaks)
 
     header = ["contender", "dtype", "shapes", "numel", "k", "clip", "B/param", "ms/window", "IQR ms",
               "ratio", "GB/s", "% copy", "% add_"]
@@ -632,6 +694,9 @@ def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--output-dir", type=Path, default=None,
                     help="where bench_<device>_<date>.json and .png go (default: benchmarks/results when run "
                          "from the source checkout, else the current directory)")
+    ap.add_argument("--copy-size", default=None,
+                    help="fp32 elements of the copy_/add_ bandwidth probes (default 64M on CPU, 256M on CUDA, "
+                         "1M with --quick)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -656,7 +721,8 @@ def _bench_config(args) -> dict:
     if repeats < 1 or warmup < 0:
         raise SystemExit("--repeats must be >= 1 and --warmup >= 0")
     return dict(shapes=shapes, dtypes=dtypes, sizes=sizes, k=ks, clip=args.clip or defaults["clip"],
-                repeats=repeats, warmup=warmup, copy_numel=parse_size(defaults["copy_numel"]))
+                repeats=repeats, warmup=warmup,
+                copy_numel=parse_size(getattr(args, "copy_size", None) or defaults["copy_numel"]))
 
 
 def _clip_settings(clip: str, k: int, ks: list[int]) -> list[float | None]:
@@ -739,11 +805,12 @@ def run_bench(args, argv: list[str] | None = None) -> int:
         impl = impls.setdefault(dtype_name, native_adamw_impl(device, dtype))
         contenders = [Native(init, grads, k, max_grad_norm, impl)]
         contenders += [AccumFused(b, init, grads, k, max_grad_norm) for b in names]
-        times = time_contenders(contenders, timer, config["warmup"], config["repeats"])
+        peaks: dict[str, int] = {}
+        times = time_contenders(contenders, timer, config["warmup"], config["repeats"], peaks)
         case = {"shapes": shapes_name, "size": label, "numel": numel, "tensors": len(shapes), "dtype": dtype_name,
                 "k": k, "max_grad_norm": max_grad_norm, "grad_sets": min(len(grads), k)}
         for r in summarise(contenders, times, k=k, clip=max_grad_norm is not None, esize=dtype.itemsize,
-                           numel=numel, copy=copy, add=add):
+                           numel=numel, copy=copy, add=add, peaks=peaks):
             measurements.append({**case, **r})
         del contenders
         bar.update()

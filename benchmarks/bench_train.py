@@ -138,8 +138,8 @@ class Contender:
 
     def resident_bytes(self) -> int:
         """Parameters, optimizer state and accumulation buffers held between windows."""
-        state = [v for s in self.opt.state.values() for v in s.values()]
-        return _tensor_bytes(self.params + state + list(getattr(self.opt, "_buffers", {}).values()))
+        # Found by walking the optimizer, not by naming its private attributes (which move).
+        return af_bench.held_tensor_bytes(self.params, self.opt)
 
     def optimizer_side_bytes(self) -> int:
         """Gradients (one per parameter, in its dtype: backward makes them every micro-batch),

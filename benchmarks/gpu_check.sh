@@ -1,0 +1,233 @@
+#!/usr/bin/env bash
+# shellcheck disable=SC2329  # the stage functions are called through `timeout bash -c`
+# One command for a lent GPU machine (issue 11): build the extension for this GPU, run the whole
+# test suite on CUDA, time the window and training benchmarks, run compute-sanitizer on the
+# kernels, and write a summary with everything into OUTDIR. See benchmarks/README.md.
+#
+#   bash benchmarks/gpu_check.sh OUTDIR              # on the GPU machine: bash benchmarks/gpu_check.sh $OUT
+#   bash benchmarks/gpu_check.sh --dry-run OUTDIR    # CPU, tiny sizes, no build, no sanitizer (CI)
+#
+# OUTDIR gets at most 8 flat files of at most 16 MiB (what the device tool brings back):
+# summary.md, gpu_check.json, junit.xml, bench.json, bench.png, train.json, logs.txt.
+# Each stage runs under `timeout` with a share of one deadline (GPU_CHECK_BUDGET_S, default 540 s:
+# the device tool's 10-minute command limit less a margin), so a stage that runs long cannot eat
+# the next; every stage runs whatever failed before it, summary.md is always written, and the
+# exit status is non-zero when any stage failed or timed out.
+# Overrides: PYTHON, GPU_CHECK_BUDGET_S, GPU_CHECK_PYTEST_ARGS, GPU_CHECK_BENCH_ARGS, GPU_CHECK_XDIST=0.
+set -uo pipefail
+
+usage() { echo "usage: $0 [--dry-run] OUTDIR" >&2; exit 2; }
+DRY_RUN=0
+[ "${1:-}" = "--dry-run" ] && { DRY_RUN=1; shift; }
+[ $# -eq 1 ] || usage
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+mkdir -p "$1" || exit 2
+OUTDIR="$(cd "$1" && pwd)"
+# Work files live outside OUTDIR: only the gathered files may come back.
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+cd "$ROOT" || exit 2
+
+# The GPU image's Python with torch is python3 (plain `python` may be missing there); CI's is the
+# active venv's python.
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON=python3
+  command -v python >/dev/null && python -c 'import torch' 2>/dev/null && PYTHON=python
+fi
+PY_BIN_DIR="$("$PYTHON" -c 'import os, sys; print(os.path.dirname(sys.executable))')"
+# ninja (pip's wrapper script) and pytest sit beside that interpreter, maybe not on PATH.
+export PATH="$PY_BIN_DIR:$PATH"
+# The checkout, built in place, is what every stage and every test subprocess imports.
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# Real Triton on the GPU, not its CPU interpreter (CI sets TRITON_INTERPRET=1 for the suite).
+unset TRITON_INTERPRET
+export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+export PYTHON WORK DRY_RUN ROOT
+export GPU_CHECK_RUNNING=1  # tests/test_gpu_check.py skips itself inside a run
+REPORT="$ROOT/benchmarks/gpu_check_report.py"
+export REPORT
+
+START=$SECONDS
+DEADLINE=$((START + ${GPU_CHECK_BUDGET_S:-540}))
+REPORT_RESERVE=15  # seconds kept for the report at the end
+
+# ------------------------------------------------------------------------------------ stages
+# Each stage is a function run by `timeout` in a child bash; exit 0 = ok, 3 = skipped (said why),
+# anything else = failed (124/137 = ran out of its budget).
+
+stage_env() {
+  nvidia-smi 2>&1 || echo "nvidia-smi: not available"
+  if [ "$DRY_RUN" = 1 ]; then "$PYTHON" "$REPORT" env "$WORK" --dry-run; else "$PYTHON" "$REPORT" env "$WORK"; fi
+}
+
+stage_build() {
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "dry run: no build; checking the installed package instead"
+    "$PYTHON" "$REPORT" check-build
+    return
+  fi
+  # --no-build-isolation needs the build requirements (pyproject.toml) present: no network there.
+  "$PYTHON" -c 'import setuptools, wheel' || { echo "FAIL: setuptools/wheel missing: cannot build offline"; return 1; }
+  command -v ninja >/dev/null || echo "warning: ninja not found: torch falls back to the slow serial build"
+  if [ -z "${CUDA_HOME:-}" ] && ! command -v nvcc >/dev/null; then
+    for d in /usr/local/cuda /usr/local/cuda-13.0; do [ -x "$d/bin/nvcc" ] && export CUDA_HOME="$d" && break; done
+  fi
+  TORCH_CUDA_ARCH_LIST="$("$PYTHON" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')" \
+    || { echo "FAIL: torch sees no CUDA device"; return 1; }
+  MAX_JOBS="$(nproc)"
+  export TORCH_CUDA_ARCH_LIST MAX_JOBS
+  unset ACCUM_FUSED_NO_EXTENSION ACCUM_FUSED_NO_CUDA
+  echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS CUDA_HOME=${CUDA_HOME:-<from nvcc on PATH>}"
+  rm -rf build accum_fused/_C*.so
+  "$PYTHON" setup.py build_ext --inplace || return 1
+  # setup.py silently builds CPU kernels only when it finds no CUDA: fail loudly here instead.
+  "$PYTHON" "$REPORT" check-build --cuda
+}
+
+stage_tests() {
+  local args=(-q -p no:cacheprovider -rfE --junitxml="$WORK/junit.xml")
+  if [ "$DRY_RUN" = 1 ]; then
+    # A tiny slice (never this script's own test): the junit and summary path, not the suite.
+    read -r -a sel <<<"${GPU_CHECK_PYTEST_ARGS:-tests/test_install.py tests/test_kernels.py::test_empty_calls}"
+  else
+    # test_gpu_check.py runs this script's dry run: CI covers it, the GPU adds nothing to it.
+    read -r -a sel <<<"${GPU_CHECK_PYTEST_ARGS:-tests --ignore=tests/test_gpu_check.py}"
+    # 16 cores: workers compile Triton kernels and run the CPU half of the suite in parallel.
+    if [ "${GPU_CHECK_XDIST:-1}" = 1 ] && "$PYTHON" -c 'import xdist' 2>/dev/null; then
+      args+=(-n "$(( $(nproc) / 2 > 8 ? 8 : ($(nproc) / 2 > 1 ? $(nproc) / 2 : 1) ))")
+    fi
+    "$PYTHON" -c 'import pytest_timeout' 2>/dev/null && args+=(--timeout 180)
+  fi
+  "$PYTHON" -m pytest "${args[@]}" "${sel[@]}"
+}
+
+bench_args() {
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "--device cpu --shapes uniform --sizes 64k --dtypes fp32 bf16 --k 2 --clip both --repeats 1 --warmup 1 --copy-size 1M"
+  else
+    # The issue's grid: 64M and 256M elements and GPT-2-124M's shapes, fp32 and bf16; k=8 (mostly
+    # the accumulate kernel) and k=1 (clip off: the boundary kernel alone); every backend.
+    echo "--device cuda --shapes uniform gpt2 --sizes 64M 256M --dtypes fp32 bf16 --k 1 8 --clip both --repeats 20 --warmup 3 --copy-size 256M"
+  fi
+}
+
+stage_bench() {
+  read -r -a args <<<"${GPU_CHECK_BENCH_ARGS:-$(bench_args)}"
+  "$PYTHON" -m accum_fused bench "${args[@]}" --output-dir "$WORK/bench" --no-progress
+}
+
+stage_train() {
+  if [ "$DRY_RUN" = 1 ]; then
+    "$PYTHON" benchmarks/bench_train.py --device cpu --vocab 128 --ctx 16 --d-model 32 --layers 1 --heads 2 \
+      --micro-batches 2,1 --windows 1 --warmup 0 --json "$WORK/train.json"
+  else
+    "$PYTHON" benchmarks/bench_train.py --device cuda --json "$WORK/train.json"  # GPT-2-small preset, bf16 autocast
+  fi
+}
+
+find_sanitizer() {
+  local c
+  for c in "$(command -v compute-sanitizer)" "${CUDA_HOME:-/nonexistent}/bin/compute-sanitizer" \
+           /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer \
+           /opt/nvidia/compute-sanitizer/compute-sanitizer; do
+    [ -n "$c" ] && [ -x "$c" ] && { echo "$c"; return 0; }
+  done
+  return 1
+}
+
+# run_sanitized TOOL PYTEST-K: a small CUDA slice of tests/test_kernels.py under compute-sanitizer.
+run_sanitized() {
+  [ "$DRY_RUN" = 1 ] && { echo "dry run: compute-sanitizer $1 skipped"; return 3; }
+  local san
+  san="$(find_sanitizer)" || { echo "compute-sanitizer not found (PATH, \$CUDA_HOME/bin, /usr/local/cuda/bin): $1 skipped"; return 3; }
+  echo "$san --tool $1 on tests/test_kernels.py -m cuda -k '$2'"
+  # Without torch's caching allocator every tensor is its own cudaMalloc, so an access past a
+  # tensor's end is outside any allocation, where memcheck sees it.
+  # --error-exitcode 86: a sanitizer finding is told apart from a failing test (pytest: 1).
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$san" --tool "$1" --error-exitcode 86 --print-limit 50 \
+    "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_kernels.py -m cuda -k "$2"
+  local rc=$?
+  [ "$rc" = 86 ] && echo "FAIL: compute-sanitizer $1 reported errors (above)"
+  return "$rc"
+}
+
+stage_memcheck() {
+  run_sanitized memcheck "test_accumulate or test_window_norms or test_windows_large or test_windows_many_small_tensors or test_grad_scaler_inf_skips_window"
+}
+
+stage_racecheck() {
+  # The norm kernels are the ones that share memory between threads (block reductions).
+  run_sanitized racecheck "test_window_norms or (test_accumulate and float32-unscaled)"
+}
+
+export -f stage_env stage_build stage_tests bench_args stage_bench stage_train find_sanitizer run_sanitized \
+  stage_memcheck stage_racecheck
+
+# run_stage NAME CAP FLOOR_OF_LATER_STAGES: at most CAP seconds, and never so long that the later
+# stages lose their floors or the report its reserve.
+run_stage() {
+  local name=$1 cap=$2 later=$3 now budget rc status note=""
+  now=$SECONDS
+  budget=$((DEADLINE - now - REPORT_RESERVE - later))
+  [ "$budget" -gt "$cap" ] && budget=$cap
+  if [ "$budget" -lt 5 ]; then
+    printf '%s\tskipped\t0\t0\t0\tno time left before the deadline\n' "$name" >>"$WORK/stages.tsv"
+    echo "[gpu_check] $name: skipped (no time left)"
+    return
+  fi
+  echo "[gpu_check] $name: running (budget ${budget}s)"
+  timeout --kill-after=10 "$budget" bash -c "stage_$name" >"$WORK/$name.log" 2>&1
+  rc=$?
+  case $rc in
+    0) status=ok ;;
+    3) status=skipped; note="$(tail -n 1 "$WORK/$name.log")" ;;
+    124 | 137) status=timeout; note="stopped after its ${budget}s budget" ;;
+    *) status=failed; note="exit $rc" ;;
+  esac
+  note="${note//$'\t'/ }"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$((SECONDS - now))" "$budget" "$note" >>"$WORK/stages.tsv"
+  echo "[gpu_check] $name: $status ($((SECONDS - now))s)"
+  if [ "$status" = failed ] || [ "$status" = timeout ]; then
+    tail -n 25 "$WORK/$name.log" | sed "s/^/[$name] /"
+  fi
+}
+
+# Caps (s) for a real run on an H100 (expected: build ~2 min, suite ~2 min, benchmarks ~2 min,
+# sanitizers ~1.5 min). The third number is what the stages after it are guaranteed.
+# The sanitizers run last: the slowest per finding, they take the time that is left.
+if [ "$DRY_RUN" = 1 ]; then
+  run_stage env 30 0; run_stage build 60 0; run_stage tests 60 0; run_stage bench 60 0; run_stage train 60 0
+  run_stage memcheck 5 0; run_stage racecheck 5 0
+else
+  run_stage env     30  300
+  run_stage build   240 240
+  run_stage tests   180 150
+  run_stage bench   120 90
+  run_stage train   90  40
+  run_stage memcheck 90 20
+  run_stage racecheck 60 0
+fi
+
+"$PYTHON" "$REPORT" report "$WORK" "$OUTDIR" >"$WORK/report.log" 2>&1 || {
+  # The report itself broke: still leave a summary with the stage table and the error.
+  { echo "# accum_fused GPU check: the report failed"; echo; echo '```'; cat "$WORK/stages.tsv";
+    cat "$WORK/report.log"; echo '```'; } >"$OUTDIR/summary.md"
+  echo "report	failed	1	0	0	gpu_check_report.py report failed" >>"$WORK/stages.tsv"
+}
+
+# The device tool brings back at most 8 files of at most 16 MiB: say so if that is broken.
+files=$(find "$OUTDIR" -type f | wc -l)
+big=$(find "$OUTDIR" -type f -size +16M | wc -l)
+if [ "$files" -gt 8 ] || [ "$big" -gt 0 ]; then
+  echo "**OUTDIR limit broken: $files files, $big over 16 MiB (the device tool returns 8 of at most 16 MiB)**" \
+    >>"$OUTDIR/summary.md"
+  echo "limits	failed	1	0	0	$files files, $big over 16 MiB" >>"$WORK/stages.tsv"
+fi
+
+cat "$OUTDIR/summary.md"
+echo "[gpu_check] $((SECONDS - START))s in all; files in $OUTDIR: $(find "$OUTDIR" -type f -printf '%f ')"
+if cut -f2 "$WORK/stages.tsv" | grep -qE '^(failed|timeout)$'; then
+  exit 1
+fi
+exit 0

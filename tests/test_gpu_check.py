@@ -1,0 +1,82 @@
+"""benchmarks/gpu_check.sh --dry-run: the GPU machine's one command, run on CPU with tiny sizes,
+so that the script cannot rot between the rare sessions that are lent a GPU. Checks what the
+device tool needs of its output: summary.md and the JSON files written, at most 8 flat files of
+at most 16 MiB, and every stage ok (or skipped, in a dry run: the sanitizers)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash"),
+    pytest.mark.skipif(os.environ.get("GPU_CHECK_RUNNING") == "1", reason="inside gpu_check.sh: no recursion"),
+]
+
+
+def test_script_parses():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+def test_usage_error_without_outdir():
+    proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "usage:" in proc.stderr
+
+
+def test_dry_run(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", str(out)], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path, env=env)
+    log = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, log
+
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8, [p.name for p in files]  # the device tool brings back 8 files at most
+    assert all(p.parent == out for p in files), files
+    assert all(p.stat().st_size <= 16 << 20 for p in files)
+    names = {p.name for p in files}
+    assert {"summary.md", "gpu_check.json", "junit.xml", "bench.json", "bench.png", "train.json", "logs.txt"} <= names
+
+    record = json.loads((out / "gpu_check.json").read_text())
+    stages = {s["stage"]: s["status"] for s in record["stages"]}
+    assert stages == {"env": "ok", "build": "ok", "tests": "ok", "bench": "ok", "train": "ok",
+                      "memcheck": "skipped", "racecheck": "skipped"}, log
+    assert record["env"]["dry_run"] is True
+    assert record["tests"]["failed"] == record["tests"]["errors"] == 0 and record["tests"]["passed"] > 0
+
+    bench = json.loads((out / "bench.json").read_text())
+    contenders = {m["contender"] for m in bench["measurements"]}
+    assert {"native", "torch"} <= contenders
+    assert all("peak_memory_bytes" in m for m in bench["measurements"])
+    assert json.loads((out / "train.json").read_text())["results"]
+
+    summary = (out / "summary.md").read_text()
+    assert "**Result: all stages passed**" in summary
+    for section in ("## Tests", "## compute-sanitizer", "## Window benchmark", "## Training benchmark"):
+        assert section in summary
+    assert "dry run: compute-sanitizer memcheck skipped" in summary
+
+
+def test_failing_stage_is_recorded_and_fails_the_run(tmp_path):
+    """A stage that fails does not stop the later ones; summary.md says which, and the exit
+    status is non-zero. (Bench arguments that argparse refuses make the bench stage fail fast.)"""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_BENCH_ARGS": "--no-such-option",
+           "GPU_CHECK_PYTEST_ARGS": "tests/test_install.py::test_auto_never_picks_the_triton_interpreter_on_cpu"}
+    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", str(out)], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path, env=env)
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    record = json.loads((out / "gpu_check.json").read_text())
+    stages = {s["stage"]: s["status"] for s in record["stages"]}
+    assert stages["bench"] == "failed" and stages["train"] == "ok", stages
+    assert record["failed_stages"] == ["bench"]
+    assert "FAILED: bench (failed)" in (out / "summary.md").read_text()
