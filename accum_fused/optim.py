@@ -781,9 +781,11 @@ class _AccumulatingOptimizer:
         win.weight_shift = accumulation.get("weight_shift", 0)  # saved before weight bands: 0
         win.update_count = accumulation["update_count"]
         win.updated = accumulation["updated"]
-        win.last_grad_norm = accumulation["last_grad_norm"]
-        found = accumulation["found_inf"]
-        win.found_inf = None if found is None else found.clone()
+        # Saved on the device the checkpoint was taken on: bring them to this optimizer's.
+        device = self._all_params()[0].device if self._all_params() else torch.device("cpu")
+        norm, found = accumulation["last_grad_norm"], accumulation["found_inf"]
+        win.last_grad_norm = None if norm is None else norm.to(device)
+        win.found_inf = None if found is None else found.to(device, copy=True)
         for param_id, saved in accumulation["buffers"].items():
             p = by_id[param_id]
             self._buffer(p).copy_(saved)
