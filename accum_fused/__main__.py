@@ -11,17 +11,48 @@ from . import backends
 from .version import __version__
 
 
+DEMO_PNG = "accum_fused_demo.png"
+
+
 def cmd_demo(args) -> int:
-    from .demo import format_table, plot, run_demo
+    import os
+
+    from .demo import format_table, missing_extra, plot, run_demo
+
+    def fail(message: str) -> int:
+        print(f"python -m accum_fused demo: error: {message}", file=sys.stderr)
+        return 2
+
+    # Everything that could stop the demo is checked here, before minutes of training.
+    no_plot = None if args.no_plot else missing_extra("matplotlib")
+    output = args.output if args.output is not None else DEMO_PNG
+    if no_plot is not None:
+        if args.output is not None:
+            return fail(f"--output {args.output} needs a plot, and {no_plot}; or use --no-plot")
+        print(f"note: {no_plot}. The demo runs and prints its table without it.", file=sys.stderr)
+    elif not args.no_plot:
+        folder = os.path.dirname(os.path.abspath(output))
+        if not os.path.isdir(folder):
+            return fail(f"--output {output}: no directory {folder}")
+        if not os.access(folder, os.W_OK):
+            return fail(f"--output {output}: directory {folder} is not writable")
+    progress = not args.no_progress
+    if progress:
+        no_bar = missing_extra("tqdm")
+        if no_bar is not None:
+            print(f"note: {no_bar}. The demo runs without it.", file=sys.stderr)
+            progress = False
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    results = run_demo(device=device, backend=args.backend, epochs=args.epochs, lr=args.lr,
-                       progress=not args.no_progress)
+    results = run_demo(device=device, backend=args.backend, epochs=args.epochs, lr=args.lr, progress=progress)
     print(f"accum_fused demo on {device}: {args.epochs} epochs, micro-batches of uneven sizes, "
           f"k=4, a partial last window every epoch")
     print(format_table(results, device, args.epochs))
-    plot(results, args.output)
-    print(f"loss curves: {args.output}")
+    if no_plot is not None:
+        print(f"loss curves: not plotted ({no_plot.split(':')[0]}: `pip install matplotlib`)")
+    elif not args.no_plot:
+        plot(results, output)
+        print(f"loss curves: {os.path.abspath(output)}")
     return 0
 
 
@@ -79,8 +110,10 @@ def main(argv=None) -> int:
     demo.add_argument("--backend", default="auto", help="accum_fused backend: auto, torch, cpp, triton (default auto)")
     demo.add_argument("--epochs", type=int, default=60, help="passes over the data (default 60)")
     demo.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
-    demo.add_argument("--output", default="accum_fused_demo.png", help="PNG of the loss curves (default %(default)s)")
-    demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    demo.add_argument("--output", default=None,
+                      help=f"PNG of the loss curves (default {DEMO_PNG} in the current directory; needs matplotlib)")
+    demo.add_argument("--no-plot", action="store_true", help="write no plot (matplotlib is then not needed)")
+    demo.add_argument("--no-progress", action="store_true", help="hide the progress bar (tqdm is then not needed)")
     demo.set_defaults(func=cmd_demo)
     bench = sub.add_parser("bench", help="time accumulation windows against the native torch loop; table, JSON, PNG",
                            description="Time one accumulation window (k micro-batches + one AdamW update, no "

@@ -12,6 +12,7 @@ length-bucketed loader gives), and the last window of every epoch is partial:
 from __future__ import annotations
 
 import copy
+import importlib
 import time
 from dataclasses import dataclass, field
 
@@ -97,11 +98,40 @@ def _state_bytes(opt) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+# The demo's optional dependencies (the ``[demo]`` extra): what each gives.
+EXTRAS = {"tqdm": "progress bar", "matplotlib": "loss plot"}
+
+
+def missing_extra(name: str) -> str | None:
+    """None if the optional module ``name`` imports, else why not (one line, with the fix)."""
+    try:
+        importlib.import_module(name)
+    except ImportError as exc:  # not installed, or installed but broken
+        cause = "is not installed" if isinstance(exc, ModuleNotFoundError) else f"does not import ({exc})"
+        return (f"{name} {cause}: no {EXTRAS.get(name, name)}. Install it with `pip install {name}` "
+                f"(the demo's extras, `[demo]`: `pip install {' '.join(EXTRAS)}`)")
+    return None
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def run_demo(*, device: str = "cpu", backend: str = "auto", epochs: int = 60, lr: float = 2e-3,
              progress: bool = True) -> list[RunResult]:
-    """Train the three ways; return their results (loss curves, time, memory, distance)."""
-    from tqdm.auto import tqdm
+    """Train the three ways; return their results (loss curves, time, memory, distance).
 
+    ``progress`` shows a tqdm bar; without tqdm installed there is none (the training is the same)."""
+    tqdm = None
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            tqdm = None
     device = torch.device(device)
     target, x, y = make_task(device)
     data = windows(x, y)
@@ -114,7 +144,8 @@ def run_demo(*, device: str = "cpu", backend: str = "auto", epochs: int = 60, lr
         ),
     }
     results, reference = [], None
-    bar = tqdm(total=epochs * len(runs), desc="demo", unit="epoch", disable=not progress, mininterval=1.0)
+    bar = (tqdm(total=epochs * len(runs), desc="demo", unit="epoch", mininterval=1.0) if tqdm is not None
+           else _NoBar())
     for name, (make_optimizer, epoch) in runs.items():
         model = copy.deepcopy(target)
         opt = make_optimizer(model)

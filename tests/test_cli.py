@@ -17,14 +17,44 @@ REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+# Runs `python -m accum_fused ...` as if the modules named in argv[1] (comma-separated) were not
+# installed: every finder on sys.meta_path is wrapped so that none finds them or their submodules
+# (importlib.util.find_spec returns None, import raises ModuleNotFoundError: No module named ...).
+WITHOUT_MODULES = """
+import runpy, sys
+blocked = set(filter(None, sys.argv[1].split(",")))
+class Hide:
+    def __init__(self, finder):
+        self.finder = finder
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in blocked:
+            return None
+        return self.finder.find_spec(name, path, target)
+    def __getattr__(self, attr):
+        return getattr(self.finder, attr)
+sys.meta_path[:] = [Hide(finder) for finder in sys.meta_path]
+sys.argv = ["accum_fused", *sys.argv[2:]]
+runpy.run_module("accum_fused", run_name="__main__", alter_sys=True)
+"""
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120, without: tuple[str, ...] = (),
+            check: bool = True) -> subprocess.CompletedProcess:
+    """``without``: modules to hide from the subprocess. Its stderr goes into stdout (unbuffered, so
+    in the order written) when ``without`` is given, to check that notes come before the training."""
     env = dict(os.environ)
     # The subprocess imports accum_fused from this checkout whatever its working directory.
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("MPLBACKEND", "Agg")
-    proc = subprocess.run([sys.executable, "-m", "accum_fused", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd or REPO, env=env)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    command = [sys.executable, "-m", "accum_fused", *args]
+    streams = dict(capture_output=True)
+    if without:
+        command = [sys.executable, "-c", WITHOUT_MODULES, ",".join(without), *args]
+        env["PYTHONUNBUFFERED"] = "1"
+        streams = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.run(command, text=True, timeout=timeout, cwd=cwd or REPO, env=env, **streams)
+    if check:
+        assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc
 
 
@@ -45,7 +75,7 @@ def table_header(stdout: str, first_column: str) -> list[str]:
 def test_help(command):
     out = run_cli(*command, "--help").stdout
     assert out.startswith("usage: python -m accum_fused")
-    for option in {"demo": ["--device", "--backend", "--epochs", "--output", "--no-progress"],
+    for option in {"demo": ["--device", "--backend", "--epochs", "--output", "--no-plot", "--no-progress"],
                    "bench": ["--device", "--backends", "--dtypes", "--k", "--sizes", "--shapes", "--repeats",
                              "--quick", "--output-dir"],
                    "info": [], "main": ["demo", "bench", "info"]}[command[0] if command else "main"]:
@@ -70,6 +100,66 @@ def test_demo_writes_table_and_png(tmp_path):
     for run in ("torch.optim.AdamW, full batch", "tutorial loop (loss / k)", "accum_fused.AdamW"):
         assert run in out
     assert_png(png)
+
+
+DEMO_RUNS = ("torch.optim.AdamW, full batch", "tutorial loop (loss / k)", "accum_fused.AdamW")
+TINY_DEMO = ("demo", "--device", "cpu", "--epochs", "2", "--backend", "torch")
+
+
+def test_demo_hide_module_works():
+    # The harness itself: a hidden module raises ModuleNotFoundError, as when it is not installed.
+    proc = run_cli("info", without=("tqdm", "matplotlib"))
+    assert proc.stdout.startswith("accum_fused "), proc.stdout
+    code = "import tqdm"
+    hidden = subprocess.run([sys.executable, "-c", WITHOUT_MODULES.replace("runpy.run_module", code + " #"), "tqdm"],
+                            capture_output=True, text=True, timeout=60)
+    assert "ModuleNotFoundError: No module named 'tqdm'" in hidden.stderr, hidden.stderr
+
+
+@pytest.mark.parametrize("no_progress", [False, True], ids=["progress", "no-progress"])
+def test_demo_without_tqdm_runs_without_a_progress_bar(tmp_path, no_progress):
+    png = tmp_path / "demo.png"
+    flags = ["--no-progress"] if no_progress else []
+    out = run_cli(*TINY_DEMO, *flags, "--output", str(png), without=("tqdm",)).stdout
+    assert all(run in out for run in DEMO_RUNS), out
+    assert_png(png)
+    if no_progress:
+        assert "note:" not in out and "pip install" not in out, out  # no bar asked for: nothing to say
+    else:
+        note = out.index("note: tqdm is not installed")
+        assert "pip install tqdm" in out and note < out.index("accum_fused demo on cpu"), out
+
+
+def test_demo_without_matplotlib_prints_the_table_and_says_what_to_install(tmp_path):
+    out = run_cli(*TINY_DEMO, cwd=tmp_path, without=("matplotlib",)).stdout
+    note = out.index("note: matplotlib is not installed")
+    assert note < out.index("accum_fused demo on cpu"), out  # said before training, not after
+    assert "pip install matplotlib" in out and "pip install tqdm matplotlib" in out, out
+    assert all(run in out for run in DEMO_RUNS), out
+    assert "loss curves: not plotted" in out, out
+    assert not list(tmp_path.iterdir())
+
+
+def test_demo_without_matplotlib_refuses_an_explicit_output_before_training(tmp_path):
+    png = tmp_path / "demo.png"
+    proc = run_cli(*TINY_DEMO, "--output", str(png), without=("matplotlib",), check=False)
+    assert proc.returncode == 2, proc.stdout
+    assert "error: --output" in proc.stdout and "pip install matplotlib" in proc.stdout, proc.stdout
+    assert "accum_fused demo on cpu" not in proc.stdout and not png.exists(), proc.stdout
+
+
+def test_demo_without_either_extra_runs_with_no_plot(tmp_path):
+    out = run_cli(*TINY_DEMO, "--no-plot", cwd=tmp_path, without=("tqdm", "matplotlib")).stdout
+    assert all(run in out for run in DEMO_RUNS), out
+    assert "loss curves" not in out and "matplotlib is not" not in out, out  # --no-plot: none asked for
+    assert "note: tqdm is not installed" in out, out
+    assert not list(tmp_path.iterdir())
+
+
+def test_demo_output_in_a_missing_directory_fails_before_training(tmp_path):
+    proc = run_cli(*TINY_DEMO, "--output", str(tmp_path / "nope" / "demo.png"), check=False)
+    assert proc.returncode == 2 and "no directory" in proc.stderr, proc.stderr
+    assert "accum_fused demo on cpu" not in proc.stdout, proc.stdout
 
 
 def test_bench_quick_writes_table_json_and_png(tmp_path):
