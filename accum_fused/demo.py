@@ -94,7 +94,8 @@ def _state_bytes(opt) -> int:
     them), optimizer state and accumulation buffers. The CPU stand-in for peak memory."""
     tensors = [p for g in opt.param_groups for p in g["params"]]
     tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
-    tensors += list(getattr(opt, "_buffers", {}).values())
+    window = getattr(opt, "_window", None)  # accum_fused's accumulation buffers
+    tensors += list(window.buffers.values()) if window is not None else []
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
