@@ -125,6 +125,10 @@ class _Window:
         self.updated = False
         self.update_count = 0
         self.last_grad_norm: Tensor | None = None
+        # The next micro-batch's weight, given before its gradients arrive
+        # (set_micro_batch_weight, opt.backward), and the backward pass adding it (in_backward).
+        self.pending_weight: float | None = None
+        self.backward_pass: _BackwardPass | None = None
 
     def close(self) -> None:
         self.live.clear()
@@ -202,8 +206,6 @@ class _AccumulatingOptimizer:
         self.in_backward = in_backward
         self._window = _Window()
         self._sync: distributed.WindowSync | None = None
-        self._backward_pass: _BackwardPass | None = None
-        self._pending_weight: float | None = None
         self._hook_handles: list = []
         self._check_params(self._all_params())
         if process_group is not None:
@@ -325,7 +327,7 @@ class _AccumulatingOptimizer:
     # ------------------------------------------------------------------------------- step
     @torch.compiler.disable  # the window bookkeeping is host code: torch.compile(opt.step) runs it eagerly
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None, *, weight: float | Tensor = 1.0):
+    def step(self, closure: Callable[[], Any] | None = None, *, weight: float | Tensor | None = None):
         """Accumulate this micro-batch's gradients (times ``weight``); on every
         ``accumulation_steps``-th call, apply the update with sum(w_i g_i) / sum(w_i).
         Returns the closure's loss, like torch.optim. With a process_group, the boundary call
@@ -334,15 +336,21 @@ class _AccumulatingOptimizer:
         With ``accumulation_steps > 1`` the gradients are taken: ``.grad`` is None afterwards
         (the micro-batch lives on in the fp32 buffer), so a ``zero_grad()`` forgotten between
         micro-batches cannot make autograd add one micro-batch into the next. With
-        ``accumulation_steps=1``, ``.grad`` is left alone, as torch.optim leaves it."""
-        weight = _check_weight(weight)
+        ``accumulation_steps=1``, ``.grad`` is left alone, as torch.optim leaves it.
+
+        ``weight`` defaults to the one given by ``set_micro_batch_weight`` for this micro-batch
+        (read after the closure ran, so a closure may set it), else 1.0."""
+        if weight is not None:
+            weight = _check_weight(weight)
         if self.in_backward:
-            self._check_in_backward_step(weight)
+            self._check_in_backward_step(1.0 if weight is None else weight)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         win = self._window
+        if weight is None:
+            weight = 1.0 if win.pending_weight is None else win.pending_weight
         pairs = self._collect_grads()
         closing = win.micro_step + 1 >= self.accumulation_steps
         self._conform_to_params([p for p, _ in pairs] + list(win.live), closing)
@@ -356,6 +364,7 @@ class _AccumulatingOptimizer:
             found_inf = win.found_inf
         weight = self._enter_weight(weight)
         # Nothing above changed the window's meaning; from here on the micro-batch is taken.
+        win.pending_weight = None
         win.micro_step += 1
         # in_backward mode A: the buffers hold the sum of the loop's backward passes (what
         # autograd would have summed into .grad), so the window's divisor is 1.
@@ -404,7 +413,7 @@ class _AccumulatingOptimizer:
         process_group it is collective: call it on every rank, including ranks whose window is
         empty."""
         win = self._window
-        if self._backward_pass is not None:
+        if self._window.backward_pass is not None:
             raise RuntimeError("flush() was called inside a backward pass; call it after backward returns")
         pending = win.micro_step > 0 or self._sync is not None
         if self.in_backward and self.accumulation_steps == 1:
@@ -447,10 +456,21 @@ class _AccumulatingOptimizer:
                 "step(weight=...) has no meaning with in_backward=True and accumulation_steps=1: the gradients "
                 "were summed during backward, as autograd sums .grad; scale the loss instead"
             )
-        if self._backward_pass is not None:
+        if self._window.backward_pass is not None:
             raise RuntimeError("step() was called inside a backward pass; call it after backward returns")
 
-    def backward(self, loss: Tensor, *, weight: float | Tensor = 1.0, **backward_kwargs) -> None:
+    def set_micro_batch_weight(self, weight: float | Tensor) -> None:
+        """The weight of the micro-batch being accumulated now, for loops that call ``step()``
+        or ``loss.backward()`` without one (HF Trainer, Lightning, accelerate): the next
+        ``step()`` without ``weight=`` (also one whose closure calls this) or, with
+        ``in_backward``, the next backward pass uses it. Validated here."""
+        weight = _check_weight(weight)
+        if self.in_backward and self.accumulation_steps == 1 and weight != 1.0:
+            raise ValueError("with in_backward=True and accumulation_steps=1 the backward passes are summed: "
+                             "a micro-batch weight has no meaning there (scale the loss instead)")
+        self._window.pending_weight = weight
+
+    def backward(self, loss: Tensor, *, weight: float | Tensor | None = None, **backward_kwargs) -> None:
         """in_backward: run ``loss.backward(**backward_kwargs)`` as one micro-batch of weight
         ``weight``. With ``accumulation_steps=k > 1`` the k-th call applies the update before
         it returns (``updated`` says so). With ``accumulation_steps=1`` the gradients are summed
@@ -458,22 +478,24 @@ class _AccumulatingOptimizer:
         if not self.in_backward:
             raise RuntimeError(f"{type(self).__name__}.backward() needs in_backward=True; otherwise call "
                                "loss.backward() and step(weight=...)")
+        if weight is None:
+            weight = 1.0 if self._window.pending_weight is None else self._window.pending_weight
         weight = _check_weight(weight)
         if self.accumulation_steps == 1 and weight != 1.0:
             raise ValueError("with in_backward=True and accumulation_steps=1 the backward passes are summed: "
                              "weight must be 1 (scale the loss instead), or set accumulation_steps")
-        if self._backward_pass is not None:
+        if self._window.backward_pass is not None:
             raise RuntimeError("opt.backward() was called inside another backward pass")
-        self._pending_weight = weight
+        self._window.pending_weight = weight
         try:
             torch.autograd.backward(loss, **backward_kwargs)
-            if self._pending_weight is not None:
+            if self._window.pending_weight is not None:
                 # No parameter of this optimizer received a gradient: still one micro-batch.
                 self._begin_backward_pass()
                 self._end_backward_pass()
         finally:
-            self._pending_weight = None
-            self._backward_pass = None
+            self._window.pending_weight = None
+            self._window.backward_pass = None
 
     @torch.no_grad()
     def _take_grad(self, p: Tensor) -> None:
@@ -484,7 +506,7 @@ class _AccumulatingOptimizer:
         if grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__}(in_backward=True) does not support sparse gradients; "
                                "use nn.Embedding(sparse=False)")
-        mb = self._backward_pass
+        mb = self._window.backward_pass
         if mb is None:
             mb = self._begin_backward_pass()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_pass)
@@ -519,8 +541,8 @@ class _AccumulatingOptimizer:
 
     def _begin_backward_pass(self) -> _BackwardPass:
         win = self._window
-        weight = 1.0 if self._pending_weight is None else self._pending_weight
-        self._pending_weight = None
+        weight = 1.0 if self._window.pending_weight is None else self._window.pending_weight
+        self._window.pending_weight = None
         sums = self.accumulation_steps == 1  # mode A: the loop owns the window
         closing = not sums and win.micro_step + 1 >= self.accumulation_steps
         self._conform_to_params(list(win.live), closing)
@@ -529,13 +551,13 @@ class _AccumulatingOptimizer:
         else:
             weight = self._enter_weight(weight)
         fold = closing and self.max_grad_norm is None and self._sync is None
-        self._backward_pass = _BackwardPass(weight, win.weight_sum + weight, closing, fold)
-        return self._backward_pass
+        self._window.backward_pass = _BackwardPass(weight, win.weight_sum + weight, closing, fold)
+        return self._window.backward_pass
 
     @torch.no_grad()
     def _end_backward_pass(self) -> None:
         """Queued on the autograd engine by the first hook: runs once the backward pass is done."""
-        mb, self._backward_pass = self._backward_pass, None
+        mb, self._window.backward_pass = self._window.backward_pass, None
         if mb is None:
             return
         win = self._window
@@ -667,7 +689,7 @@ class _AccumulatingOptimizer:
 
     # ------------------------------------------------------------------------- state_dict
     _ACCUMULATION_ATTRS = ("accumulation_steps", "max_grad_norm", "backend", "_window", "process_group", "_sync",
-                           "in_backward", "_backward_pass", "_pending_weight", "_hook_handles")
+                           "in_backward", "_hook_handles")
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's __getstate__ keeps only defaults/state/param_groups; copy.deepcopy and
@@ -677,7 +699,7 @@ class _AccumulatingOptimizer:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        for key in ("process_group", "_sync", "_backward_pass", "_pending_weight"):  # pickled by older versions
+        for key in ("process_group", "_sync"):  # pickled by older versions
             self.__dict__.setdefault(key, None)
         self.__dict__.setdefault("in_backward", False)
         self.__dict__.setdefault("_hook_handles", [])

@@ -472,3 +472,38 @@ def test_fsdp2_parameters_never_crash(tmp_path):
     result = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True,
                             timeout=240, env=env)
     assert result.returncode == 0 and "FSDP2 OK" in result.stdout, result.stdout + result.stderr
+
+
+# ------------------------------------------------- a weight given before step() (frameworks)
+def test_set_micro_batch_weight_from_inside_the_closure(backend):
+    """Lightning runs training_step inside step(closure): a weight set there must apply to
+    that micro-batch, not the next one."""
+    batches = make_batches([3, 1, 4, 2])
+    model, ref = make_model(), make_model()
+    opt = _accum("AdamW", model, backend, 2)
+    ref_opt = _accum("AdamW", ref, backend, 2)
+    for batch in batches:
+        def closure(batch=batch):
+            opt.zero_grad()
+            loss = loss_of(model, batch)
+            loss.backward()
+            opt.set_micro_batch_weight(len(batch[0]))
+            return loss
+        opt.step(closure)
+        loss_of(ref, batch).backward()
+        ref_opt.step(weight=len(batch[0]))
+    assert opt.update_count == 2
+    assert_params_equal(model, ref)
+
+
+def test_set_micro_batch_weight_validates_and_is_used_once():
+    model = make_model()
+    opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=3)
+    with pytest.raises(ValueError, match="weight"):
+        opt.set_micro_batch_weight(0.0)
+    opt.set_micro_batch_weight(5.0)
+    loss_of(model, make_batches([2])[0]).backward()
+    opt.step()
+    loss_of(model, make_batches([2])[0]).backward()
+    opt.step()
+    assert opt._window.weight_sum == 6.0  # 5, then the default 1

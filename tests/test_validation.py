@@ -77,7 +77,7 @@ BAD_WEIGHTS = [
     pytest.param(float("inf"), ValueError, id="inf"),
     pytest.param(float("-inf"), ValueError, id="minus-inf"),
     pytest.param("a", TypeError, id="str"),
-    pytest.param(None, TypeError, id="None"),
+    pytest.param([1.0], TypeError, id="list"),
 ]
 
 
