@@ -120,6 +120,8 @@ def _extension_options() -> dict:
     )
 
 
+HF_TRANSFORMERS, HF_ACCELERATE, LIGHTNING = "transformers==5.23.0", "accelerate==1.15.0", "lightning==2.6.6"
+
 setup(
     name="accum_fused",
     version=version,
@@ -131,7 +133,11 @@ setup(
     extras_require={
         "demo": ["tqdm", "matplotlib"],
         "triton": ["triton"],
-        "test": ["pytest>=7", "numpy", "tqdm", "matplotlib", "triton"],
+        # The framework versions accum_fused.integrations is tested with (tests/test_integration_*).
+        "transformers": [HF_TRANSFORMERS, HF_ACCELERATE],
+        "accelerate": [HF_ACCELERATE],
+        "lightning": [LIGHTNING],
+        "test": ["pytest>=7", "numpy", "tqdm", "matplotlib", "triton", HF_TRANSFORMERS, HF_ACCELERATE, LIGHTNING],
     },
     **_extension_options(),
 )
