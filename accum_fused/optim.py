@@ -129,8 +129,15 @@ class _Window:
         # (set_micro_batch_weight, opt.backward), and the backward pass adding it (in_backward).
         self.pending_weight: float | None = None
         self.backward_pass: _BackwardPass | None = None
+        # Buffers that are autograd's own gradient tensors (in_backward zero-copy): dropped when
+        # the window closes, since the next window adopts fresh ones (resident 12 B/param for
+        # fp32 AdamW, as the native loop after zero_grad, instead of 16).
+        self.adopted: set[Tensor] = set()
 
     def close(self) -> None:
+        for p in self.adopted:
+            del self.buffers[p]
+        self.adopted.clear()
         self.live.clear()
         self.micro_step, self.weight_sum, self.weight_shift, self.found_inf = 0, 0.0, 0, None
 
@@ -527,6 +534,7 @@ class _AccumulatingOptimizer:
             mb.done.add(p)
         elif p not in win.live and self._can_adopt(p, grad, mb.weight):
             win.buffers[p] = grad  # zero-copy: autograd's fresh gradient becomes the buffer
+            win.adopted.add(p)
             win.live.add(p)
         else:
             self._backend_for(p).accumulate(grads=[_real(grad)], buffers=[_real(self._buffer(p))],

@@ -313,3 +313,18 @@ def test_parameter_without_requires_grad_is_left_alone(backend):
         opt.backward(loss_of(model, batch))
     assert opt.update_count == 1 and torch.equal(model[0].bias, bias)
     assert model[0].bias not in opt.state
+
+
+def test_adopted_gradients_are_not_held_between_windows(backend):
+    """fp32 mode A: the window's first gradient is the buffer itself (no copy), and it is let go
+    when the window closes, so nothing beyond parameters and state is resident between windows."""
+    model = make_model()
+    opt = accum_fused.AdamW(model.parameters(), in_backward=True, backend=backend)
+    loss_of(model, make_batches([3])[0]).backward()
+    assert set(opt._window.adopted) == set(model.parameters())
+    buffers = [opt._window.buffers[p] for p in model.parameters()]
+    loss_of(model, make_batches([2])[0]).backward()  # added into the adopted tensors
+    assert all(opt._window.buffers[p] is b for p, b in zip(model.parameters(), buffers))
+    opt.step()
+    opt.zero_grad()
+    assert opt._window.buffers == {} and not opt._window.adopted
