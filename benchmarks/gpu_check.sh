@@ -118,11 +118,16 @@ stage_bench() {
 }
 
 stage_train() {
+  # Then peak memory of one window: native loop, plain, in_backward mode A and B (issue 12); its
+  # table lands in this stage's log (logs.txt).
   if [ "$DRY_RUN" = 1 ]; then
     "$PYTHON" benchmarks/bench_train.py --device cpu --vocab 128 --ctx 16 --d-model 32 --layers 1 --heads 2 \
-      --micro-batches 2,1 --windows 1 --warmup 0 --json "$WORK/train.json"
+      --micro-batches 2,1 --windows 1 --warmup 0 --json "$WORK/train.json" &&
+    "$PYTHON" benchmarks/bench_memory.py --device cpu --vocab 128 --ctx 16 --d-model 32 --layers 1 --heads 2 \
+      --batch 1 --seq 8 --k 2 --dtypes fp32 --threads 1 --json "$WORK/memory.json"
   else
-    "$PYTHON" benchmarks/bench_train.py --device cuda --json "$WORK/train.json"  # GPT-2-small preset, bf16 autocast
+    "$PYTHON" benchmarks/bench_train.py --device cuda --json "$WORK/train.json" &&  # GPT-2-small, bf16 autocast
+    "$PYTHON" benchmarks/bench_memory.py --device cuda --preset gpt2 --json "$WORK/memory.json"
   fi
 }
 
