@@ -202,6 +202,11 @@ class _AccumulatingOptimizer:
     update_count = _window_view("update_count", "Updates applied (skipped or empty windows do not count).")
     last_grad_norm = _window_view("last_grad_norm", "Pre-clip global norm of the last clipped window.")
 
+    @property
+    def micro_batch_weight(self) -> float | None:
+        """The weight set by set_micro_batch_weight for the next micro-batch, or None."""
+        return self._window.pending_weight
+
     def _init_accumulation(self, accumulation_steps: int, max_grad_norm: float | None, backend: str,
                            process_group, in_backward: bool = False) -> None:
         if not isinstance(in_backward, bool):

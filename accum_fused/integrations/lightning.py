@@ -250,11 +250,10 @@ class AccumFusedCallback(pl.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         # Runs inside the step's closure, after training_step and backward, before the
-        # optimizer reads the micro-batch's weight. The pending weight is the window's own
-        # record (there is no public accessor for it).
+        # optimizer reads the micro-batch's weight.
         opt = _unwrap(optimizer)
         if (self.require_weight and pl_module.automatic_optimization and _is_accum_fused(opt)
-                and opt.accumulation_steps > 1 and opt._window.pending_weight is None):
+                and opt.accumulation_steps > 1 and opt.micro_batch_weight is None):
             raise RuntimeError(
                 f"{type(opt).__name__}(accumulation_steps={opt.accumulation_steps}) got no weight for this "
                 "micro-batch: call self.optimizers().set_micro_batch_weight(n) in training_step with what its "
