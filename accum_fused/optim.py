@@ -30,8 +30,8 @@ _ELEMENTWISE_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_s
 # positive weight fits the fp32 buffers (uniform 1e-46 weights underflowed fp32 to a zero update,
 # 1e38 overflowed it to NaN). Weights in [1, 2**32) -- counts, token counts -- get shift 0 and the
 # arithmetic is exactly what it was; other shifts are exact powers of two, so results are the same
-# up to fp32 range. A later weight more than 2**_WEIGHT_HEADROOM above the window's units moves
-# the window to its band (one rescaling pass over the live buffers).
+# up to fp32 range. A later weight of 2**_WEIGHT_HEADROOM or more in the window's units moves the
+# window to its band (one rescaling pass over the live buffers), so a scaled weight stays < 2**64.
 _WEIGHT_BAND = 32
 _WEIGHT_HEADROOM = 64
 
@@ -407,7 +407,7 @@ class _AccumulatingOptimizer:
         band = _weight_band(weight)
         if win.micro_step == 0:
             win.weight_shift = band
-        elif band - win.weight_shift > _WEIGHT_HEADROOM:
+        elif band - win.weight_shift >= _WEIGHT_HEADROOM:
             factor = math.ldexp(1.0, win.weight_shift - band)
             live = [win.buffers[p] for p in win.live]
             if live:
@@ -425,7 +425,7 @@ class _AccumulatingOptimizer:
         process_group it is collective: call it on every rank, including ranks whose window is
         empty."""
         win = self._window
-        if self._window.backward_pass is not None:
+        if win.backward_pass is not None:
             raise RuntimeError("flush() was called inside a backward pass; call it after backward returns")
         pending = win.micro_step > 0 or self._sync is not None
         if self.in_backward and self.accumulation_steps == 1:
