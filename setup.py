@@ -137,7 +137,9 @@ setup(
         "transformers": [HF_TRANSFORMERS, HF_ACCELERATE],
         "accelerate": [HF_ACCELERATE],
         "lightning": [LIGHTNING],
-        "test": ["pytest>=7", "numpy", "tqdm", "matplotlib", "triton", HF_TRANSFORMERS, HF_ACCELERATE, LIGHTNING],
+        # expecttest: torch.testing._internal (PyTorch's own test_optim.py, tests/upstream) imports it.
+        "test": ["pytest>=7", "numpy", "tqdm", "matplotlib", "triton", "expecttest", HF_TRANSFORMERS, HF_ACCELERATE,
+                 LIGHTNING],
     },
     **_extension_options(),
 )

@@ -295,6 +295,16 @@ class _AccumulatingOptimizer:
                 )
         return pairs
 
+    def _check_fused_groups(self, pairs) -> None:
+        """fused=True is accepted (every backend call is one fused pass) and validated as torch
+        does at step(): floating-point parameters on a device torch's fused kernels support."""
+        fused = {p for group in self.param_groups if group.get("fused") for p in group["params"]}
+        if fused:
+            from torch.optim.optimizer import _device_dtype_check_for_fused  # torch's own message
+            for p, _ in pairs:
+                if p in fused:
+                    _device_dtype_check_for_fused(p)
+
     def _backend_for(self, param: Tensor):
         if _is_dtensor(param):
             return backends.reference
@@ -337,7 +347,10 @@ class _AccumulatingOptimizer:
                     state[key] = value.to(device=p.device, dtype=_state_dtype(p))
 
     # ------------------------------------------------------------------------------- step
-    @torch.compiler.disable  # the window bookkeeping is host code: torch.compile(opt.step) runs it eagerly
+    # The window bookkeeping is host code: torch.compile(opt.step) runs it eagerly. The lazy
+    # form (torch.optim's own load_state_dict uses it): importing accum_fused must not import
+    # torch._dynamo (and Triton with it).
+    @torch._disable_dynamo
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *, weight: float | Tensor | None = None):
         """Accumulate this micro-batch's gradients (times ``weight``); on every
@@ -364,6 +377,7 @@ class _AccumulatingOptimizer:
         if weight is None:
             weight = 1.0 if win.pending_weight is None else win.pending_weight
         pairs = self._collect_grads()
+        self._check_fused_groups(pairs)
         closing = win.micro_step + 1 >= self.accumulation_steps
         self._conform_to_params([p for p, _ in pairs] + list(win.live), closing)
         grad_scale = getattr(self, "grad_scale", None)
@@ -416,7 +430,7 @@ class _AccumulatingOptimizer:
             win.weight_shift = band
         return math.ldexp(weight, -win.weight_shift)
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     @torch.no_grad()
     def flush(self) -> bool:
         """Apply a pending partial window, averaged over the weights it holds. Returns True

@@ -151,7 +151,7 @@ def test_is_a_torch_optimizer_with_torch_defaults(backend, name):
 
 @pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW"])
 def test_constructor_signature_extends_torch(name):
-    """torch's arguments with torch's kinds and defaults, plus four keyword-only additions."""
+    """torch's arguments with torch's kinds and defaults, plus five keyword-only additions."""
     ours_cls, torch_cls = OPTIMIZERS[name]
     ours = inspect.signature(ours_cls.__init__).parameters
     ref = inspect.signature(torch_cls.__init__).parameters
@@ -165,11 +165,13 @@ def test_constructor_signature_extends_torch(name):
         "max_grad_norm": (inspect.Parameter.KEYWORD_ONLY, None),
         "backend": (inspect.Parameter.KEYWORD_ONLY, "auto"),
         "process_group": (inspect.Parameter.KEYWORD_ONLY, None),
+        "in_backward": (inspect.Parameter.KEYWORD_ONLY, False),
     }
     step = inspect.signature(ours_cls.step).parameters
     assert list(step) == ["self", "closure", "weight"]
     assert step["closure"].default is None
-    assert step["weight"].kind == inspect.Parameter.KEYWORD_ONLY and step["weight"].default == 1.0
+    # None: the weight given by set_micro_batch_weight, else 1.0
+    assert step["weight"].kind == inspect.Parameter.KEYWORD_ONLY and step["weight"].default is None
 
 
 @pytest.mark.parametrize("name,hyper", REPRESENTATIVE)
