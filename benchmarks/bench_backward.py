@@ -59,6 +59,7 @@ try:
 except ImportError:  # not installed: run against the checkout this script lives in
     sys.path.insert(0, str(HERE.parent))
     import accum_fused
+from accum_fused.bench import cpu_model, native_adamw_impl  # noqa: E402  (shared with bench_window)
 
 LR, WEIGHT_DECAY = 1e-3, 1e-2
 
@@ -79,26 +80,6 @@ def versions() -> dict:
     except Exception:
         return {"accum_fused": getattr(accum_fused, "__version__", None), "torch": torch.__version__,
                 "python": platform.python_version(), "platform": platform.platform()}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def native_impl(dtype=torch.float32) -> str:
-    p = torch.nn.Parameter(torch.zeros(4, dtype=dtype))
-    p.grad = torch.ones_like(p)
-    try:
-        torch.optim.AdamW([p], lr=LR, fused=True).step()
-        return "fused"
-    except (RuntimeError, ValueError, NotImplementedError):
-        return "foreach"
 
 
 class _Probe(torch.autograd.Function):
@@ -270,7 +251,7 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     init = [torch.empty(s).normal_(0, 0.02, generator=gen) for s in shapes]
     coefs = [torch.empty(s).uniform_(-1e-3, 1e-3, generator=gen) for s in shapes]
-    impl = native_impl()
+    impl = native_adamw_impl(torch.device("cpu"), torch.float32)
     resolved = accum_fused.backends.resolve(args.backend, torch.device("cpu"), torch.float32)
     clips = {"both": [args.max_grad_norm, None], "on": [args.max_grad_norm], "off": [None]}[args.clip]
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -306,7 +287,7 @@ def main(argv=None) -> int:
     record = {
         "benchmark": "bench_backward", "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *sys.argv]),
-        "device": {"type": "cpu", "name": cpu_name(), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "device": {"type": "cpu", "name": cpu_model(), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                    "loadavg_before": load_before, "loadavg_after": load_after},
         "versions": versions(),
         "config": {"shapes": shape_name, "numel": numel, "tensors": len(shapes), "k": args.k,

@@ -56,7 +56,6 @@ import argparse
 import datetime as _dt
 import gc
 import json
-import math
 import os
 import platform
 import shlex
@@ -77,6 +76,7 @@ try:
 except ImportError:  # not installed: run against the checkout this script lives in
     sys.path.insert(0, str(HERE.parent))
     import accum_fused
+from accum_fused.bench import native_adamw_impl  # noqa: E402  (shared with bench_window)
 
 PRESETS = {
     # 10.2M parameters; 1 x 32 tokens per micro-batch: activations small next to model state,
@@ -229,22 +229,12 @@ def model_state_bytes(params, opt) -> dict[str, int]:
 
 
 # ------------------------------------------------------------------------------- child
-def native_impl(device: torch.device, dtype: torch.dtype) -> str:
-    p = nn.Parameter(torch.zeros(4, device=device, dtype=dtype))
-    p.grad = torch.ones_like(p)
-    try:
-        torch.optim.AdamW([p], lr=LR, fused=True).step()
-        return "fused"
-    except (RuntimeError, ValueError, NotImplementedError):
-        return "foreach"
-
-
 def run_child(args) -> dict:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     torch.set_num_threads(args.threads)
     cuda = device.type == "cuda"
-    impl = native_impl(device, dtype)  # before the tracker: its probe tensors are not counted
+    impl = native_adamw_impl(device, dtype)  # before the tracker: its probe tensors are not counted
     tracker = None if cuda else LiveTensorTracker()
     if tracker is not None:
         tracker.mode.__enter__()

@@ -24,17 +24,19 @@ import transformers  # absolute: this module is accum_fused.integrations.transfo
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from ..optim import _AccumulatingOptimizer
+from ..optim import SGD, Adam, AdamW, GradientAccumulator
+
+_ACCUM_FUSED = (SGD, Adam, AdamW, GradientAccumulator)
 
 __all__ = ["AccumFusedCallback", "unwrap_optimizer"]
 
 
-def unwrap_optimizer(optimizer: Any) -> _AccumulatingOptimizer | None:
+def unwrap_optimizer(optimizer: Any):
     """The accum_fused optimizer inside the Trainer's wrappers (accelerate's
     ``AcceleratedOptimizer``), or None when there is none."""
     seen = set()
     while optimizer is not None and id(optimizer) not in seen:
-        if isinstance(optimizer, _AccumulatingOptimizer):
+        if isinstance(optimizer, _ACCUM_FUSED):
             return optimizer
         seen.add(id(optimizer))
         optimizer = getattr(optimizer, "optimizer", None)
@@ -81,7 +83,7 @@ class AccumFusedCallback(transformers.TrainerCallback):
     """
 
     def __init__(self) -> None:
-        self.optimizer: _AccumulatingOptimizer | None = None
+        self.optimizer = None  # the accum_fused optimizer, found at on_train_begin
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         # Everything is checked here, before the first micro-batch, so nothing trains wrong.
