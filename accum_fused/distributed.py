@@ -268,3 +268,83 @@ class WindowSync:
         for work in works:
             work.wait()
         return total, False, live
+
+
+def shard_mesh(params: list[Tensor], owner: str):
+    """The one 1-D device mesh that FSDP2 (``fully_shard``) sharded ``params`` over, checked:
+    accum_fused's window math for DTensor parameters assumes FSDP2's layout (every parameter a
+    ``Shard`` of one data-parallel mesh, gradients averaged over it)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
+    problems = []
+    if len(meshes) > 1:
+        problems.append("parameters on more than one device mesh")
+    if any(not isinstance(p, DTensor) for p in params):
+        problems.append("a mix of DTensor and plain parameters (shard the whole model with fully_shard)")
+    mesh = next(iter(meshes))
+    if mesh.ndim != 1:
+        problems.append(f"a {mesh.ndim}-D device mesh (HSDP / tensor parallel are not supported yet; FSDP2 "
+                        "on a 1-D mesh is)")
+    if any(not all(isinstance(pl, Shard) for pl in p.placements) for p in params if isinstance(p, DTensor)):
+        problems.append("placements other than Shard (replicate() / tensor parallel are not supported yet)")
+    if problems:
+        raise NotImplementedError(f"{owner} got DTensor parameters with {'; '.join(problems)}")
+    return mesh
+
+
+class ShardSync:
+    """FSDP2: once-per-window agreement between the ranks of the parameters' mesh.
+
+    FSDP2 reduce-scatters every backward's gradients itself, averaged over the mesh's N ranks,
+    so each rank's buffers hold its shard of (1/N)·Σ_r Σ_j wᵣⱼ·gᵣⱼ when the weights entered
+    before the reduce (``opt.backward(loss, weight=)`` scales the loss) or were equal on every
+    rank. At the window boundary one small fp64 all-reduce gives every rank:
+      - the global weight total W, so the update divides the buffers by W / N;
+      - the global squared norm of the buffers (every shard), for clipping and so that a
+        non-finite value on any rank skips the window on every rank;
+      - whether the ranks close the window alike (all in step() or all in flush());
+      - per micro-batch, how many ranks passed a weight only after backward (``step(weight=)``)
+        and the sum and sum of squares of those weights: such weights reach the gradient after
+        FSDP averaged it with equal weight per rank, which is right only if they are equal.
+    """
+
+    def __init__(self, mesh, owner: str):
+        self.mesh = mesh
+        self.owner = owner
+        self.group = mesh.get_group()
+        self.size = mesh.size()
+
+    @torch.no_grad()
+    def reduce_window(self, device: torch.device, weight_sum: float, sq_norm: Tensor | None, flushing: bool,
+                      late_weights: list[float | None]) -> tuple[float, Tensor]:
+        """Collective over the mesh. ``late_weights[j]`` is micro-batch j's weight when it was
+        given after backward, else None. Returns (W / N, global squared norm as a 0-dim fp64
+        tensor on ``device``)."""
+        dist = _dist()
+        late = []
+        for w in late_weights:
+            late += [0.0, 0.0, 0.0] if w is None else [1.0, w, w * w]
+        meta = torch.tensor([weight_sum, float(flushing), 0.0] + late, dtype=torch.float64).to(device)
+        if sq_norm is not None:
+            meta[2:3] += sq_norm.to(torch.float64).reshape(1)
+        dist.all_reduce(meta, group=self.group)
+        values = meta.tolist()
+        total, flushers = values[0], values[1]
+        if 0 < flushers < self.size:
+            raise RuntimeError(
+                f"accum_fused: {int(flushers)} rank(s) called flush() while the others closed a window in step(): "
+                "with FSDP2 every rank must close the same windows (the same number of micro-batches per rank)"
+            )
+        for j in range(len(late_weights)):
+            count, s, sq = values[3 + 3 * j: 6 + 3 * j]
+            if count == 0:
+                continue
+            if count != self.size or abs(self.size * sq - s * s) > 1e-9 * s * s:
+                raise RuntimeError(
+                    f"accum_fused: micro-batch {j} of this window has different weights on different ranks, "
+                    "given after backward (step(weight=) or set_micro_batch_weight): FSDP2 had already averaged "
+                    "the ranks' gradients with equal weight. Pass each micro-batch's weight before its backward "
+                    f"with {self.owner}.backward(loss, weight=w) (it scales the loss), then call step()"
+                )
+        return total / self.size, meta[2]

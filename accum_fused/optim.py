@@ -44,16 +44,33 @@ def _state_dtype(param: Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
-def _real(t: Tensor) -> Tensor:
-    """Kernels see complex tensors as real ones with a trailing dimension of 2, as torch.optim's
-    own implementations do (torch.view_as_real)."""
-    return torch.view_as_real(t) if t.is_complex() else t
-
-
 def _is_dtensor(t: Tensor) -> bool:
     # Only FSDP2 / tensor-parallel users have DTensors, and they have imported the module.
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
+
+
+def _kernel_view(t: Tensor) -> Tensor:
+    """What a backend sees of a parameter, gradient, buffer or state tensor: a DTensor's local
+    shard (FSDP2: every operation of the window is elementwise, so each rank updates its own
+    shard), complex tensors as real ones with a trailing dimension of 2, as torch.optim's own
+    implementations do (torch.view_as_real). Views: writes reach the original."""
+    if _is_dtensor(t):
+        t = t.to_local()
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _like_param(local: Tensor, param: Tensor) -> Tensor:
+    """A state tensor a backend created from local shards, given the parameter's global layout
+    back (a DTensor for a DTensor parameter, complex for a complex one), as torch.optim's own
+    state would have it."""
+    if param.is_complex() and not local.is_complex():
+        local = torch.view_as_complex(local)
+    if _is_dtensor(param) and not _is_dtensor(local):
+        from torch.distributed.tensor import DTensor
+        local = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                   shape=param.shape, stride=param.stride())
+    return local
 
 
 def _weight_band(weight: float) -> int:
@@ -128,6 +145,15 @@ class _Window:
         # The next micro-batch's weight, given before its gradients arrive
         # (set_micro_batch_weight, opt.backward), and the backward pass adding it (in_backward).
         self.pending_weight: float | None = None
+        # opt.backward() ran for the pending micro-batch and step() has not taken it yet (with
+        # FSDP2 its weight then scaled the loss: the gradient already carries it).
+        self.backward_done = False
+        # FSDP2, per micro-batch of the window: its weight when given only after backward (None
+        # when it scaled the loss), which ShardSync checks is equal on every rank; and whether a
+        # micro-batch's gradients were held back by FSDP (set_requires_gradient_sync(False)), so
+        # that they arrive summed with a later one's and take that one's weight.
+        self.late_weights: list[float | None] = []
+        self.grads_held = False
         self.backward_pass: _BackwardPass | None = None
         # Buffers that are autograd's own gradient tensors (in_backward zero-copy): dropped when
         # the window closes, since the next window adopts fresh ones (resident 12 B/param for
@@ -139,6 +165,8 @@ class _Window:
             del self.buffers[p]
         self.adopted.clear()
         self.live.clear()
+        self.late_weights.clear()
+        self.grads_held = False
         self.micro_step, self.weight_sum, self.weight_shift, self.found_inf = 0, 0.0, 0, None
 
 
@@ -219,7 +247,9 @@ class _AccumulatingOptimizer:
         self._window = _Window()
         self._sync: distributed.WindowSync | None = None
         self._hook_handles: list = []
-        self._check_params(self._all_params())
+        mesh = self._check_params(self._all_params())
+        # FSDP2 (DTensor parameters): the ranks of the mesh agree once per window (ShardSync).
+        self._shards = None if mesh is None else distributed.ShardSync(mesh, type(self).__name__)
         if process_group is not None:
             self._sync = distributed.WindowSync(process_group, type(self).__name__)
             self._sync.add_params(self._all_params(), _state_dtype)
@@ -247,28 +277,20 @@ class _AccumulatingOptimizer:
     def _add_group(self, param_group) -> None:
         super().add_param_group(param_group)
 
-    def _check_params(self, tensors) -> None:
-        """Refuse, before anything changes, parameters no backend can run correctly."""
-        dtensors = [t for t in tensors if isinstance(t, Tensor) and _is_dtensor(t)]
-        if not dtensors:
-            return
-        # The reference backend runs DTensor ops shard-locally and correctly; kernels see raw
-        # pointers, and a norm or a cross-rank reduce would need the mesh (not implemented yet).
-        unsupported = []
-        if self.backend not in (backends.AUTO, "torch"):
-            unsupported.append(f"backend={self.backend!r} (use backend='torch' or 'auto')")
-        if self.max_grad_norm is not None:
-            unsupported.append("max_grad_norm (the norm must span every shard; clip with "
-                               "torch.nn.utils.clip_grad_norm_ on an unaccumulated loop meanwhile)")
+    def _check_params(self, tensors):
+        """Refuse, before anything changes, parameters no backend can run correctly. Returns
+        the FSDP2 device mesh when the parameters are DTensors, else None."""
+        tensors = [t for t in tensors if isinstance(t, Tensor)]
+        if getattr(self, "_shards", None) is None and not any(_is_dtensor(t) for t in tensors):
+            return None
         if self.process_group is not None:
-            unsupported.append("process_group (FSDP2 reduces gradients itself)")
-        if getattr(self, "in_backward", False):
-            unsupported.append("in_backward (FSDP2's hooks own the sharded gradients)")
-        if unsupported:
             raise NotImplementedError(
-                f"{type(self).__name__} got DTensor parameters (FSDP2 / tensor parallel), which it does not "
-                f"yet support with: {'; '.join(unsupported)}"
+                f"{type(self).__name__} got DTensor parameters (FSDP2) and a process_group: FSDP2 reduces the "
+                "gradients itself, and accum_fused agrees with the other ranks over the parameters' mesh; "
+                "leave process_group unset"
             )
+        owned = self._all_params() if hasattr(self, "_window") else []
+        return distributed.shard_mesh(owned + tensors, type(self).__name__)
 
     def _sync_new_group(self) -> None:
         # During torch's __init__ there is no _sync yet: _init_accumulation registers all groups.
@@ -306,8 +328,6 @@ class _AccumulatingOptimizer:
                     _device_dtype_check_for_fused(p)
 
     def _backend_for(self, param: Tensor):
-        if _is_dtensor(param):
-            return backends.reference
         return backends.resolve(self.backend, param.device, param.dtype.to_real())
 
     def _conform_to_params(self, params, closing: bool) -> None:
@@ -365,17 +385,22 @@ class _AccumulatingOptimizer:
 
         ``weight`` defaults to the one given by ``set_micro_batch_weight`` for this micro-batch
         (read after the closure ran, so a closure may set it), else 1.0."""
+        win = self._window
         if weight is not None:
             weight = _check_weight(weight)
+            if win.backward_done:
+                raise ValueError("this micro-batch's weight was given to backward(loss, weight=...): call step() "
+                                 "without weight=")
         if self.in_backward:
             self._check_in_backward_step(1.0 if weight is None else weight)
+        self._refuse_scaler_when_sharded()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        win = self._window
         if weight is None:
             weight = 1.0 if win.pending_weight is None else win.pending_weight
+        in_loss = win.backward_done and self._shards is not None
         pairs = self._collect_grads()
         self._check_fused_groups(pairs)
         closing = win.micro_step + 1 >= self.accumulation_steps
@@ -389,35 +414,56 @@ class _AccumulatingOptimizer:
         else:
             found_inf = win.found_inf
         weight = self._enter_weight(weight)
+        grad_weight = 1.0 if in_loss else weight  # FSDP2: opt.backward scaled the loss by it
         # Nothing above changed the window's meaning; from here on the micro-batch is taken.
         win.pending_weight = None
+        win.backward_done = False
         win.micro_step += 1
         # in_backward mode A: the buffers hold the sum of the loop's backward passes (what
         # autograd would have summed into .grad), so the window's divisor is 1.
         win.weight_sum = 1.0 if self.in_backward else win.weight_sum + weight
         win.found_inf = found_inf
+        if self._shards is not None:
+            win.late_weights.append(None if in_loss else weight)
+            win.grads_held |= not pairs and not in_loss
         if not closing:
-            self._accumulate(pairs, weight, grad_scale)
+            self._accumulate(pairs, grad_weight, grad_scale)
             win.updated = False
-        elif self._folds_last_micro_batch and self.max_grad_norm is None and self._sync is None:
+        elif self._folds_last_micro_batch and self.max_grad_norm is None and not self._spans_ranks():
             # The last micro-batch is folded into the update pass (one pass over the bytes).
-            win.updated = self._finish_window(pairs, weight, grad_scale)
+            win.updated = self._finish_window(pairs, grad_weight, grad_scale)
         else:
             # Clipping needs the whole window's norm first: the last accumulate pass returns it
-            # (after a cross-rank reduce the norms are measured on the reduced sums instead).
-            local_norms = self.max_grad_norm is not None and self._sync is None
-            norms = self._accumulate(pairs, weight, grad_scale,
+            # (across ranks the norms are measured on the reduced sums instead).
+            local_norms = self.max_grad_norm is not None and not self._spans_ranks()
+            norms = self._accumulate(pairs, grad_weight, grad_scale,
                                      norm_weight_sum=win.weight_sum if local_norms else None)
-            win.updated = self._finish_window([], weight, None, norms)
+            win.updated = self._finish_window([], grad_weight, None, norms)
         if self.accumulation_steps > 1:
             for p, _ in pairs:
                 p.grad = None
         return loss
 
+    def _spans_ranks(self) -> bool:
+        """Whether closing a window needs the other ranks (process_group, FSDP2)."""
+        return self._sync is not None or self._shards is not None
+
+    def _refuse_scaler_when_sharded(self) -> None:
+        if self._shards is not None and getattr(self, "found_inf", None) is not None:
+            raise RuntimeError(
+                f"{type(self).__name__} with FSDP2 parameters cannot be driven by torch.amp.GradScaler: GradScaler "
+                "checks each rank's own shards for non-finite values and updates its scale per rank, so the ranks' "
+                "scales drift apart. Use bf16 (MixedPrecisionPolicy(param_dtype=torch.bfloat16)); accum_fused "
+                "skips a window with a non-finite value on any rank on every rank"
+            )
+
     def _enter_weight(self, weight: float) -> float:
         """``weight`` in the window's units (see _WEIGHT_BAND), moving the window to a higher
-        band first when this weight would not fit the current one."""
+        band first when this weight would not fit the current one. With FSDP2 the units stay 1:
+        opt.backward puts the weight into the loss, before the ranks' gradients are summed."""
         win = self._window
+        if self._shards is not None:
+            return weight
         band = _weight_band(weight)
         if win.micro_step == 0:
             win.weight_shift = band
@@ -441,7 +487,7 @@ class _AccumulatingOptimizer:
         win = self._window
         if win.backward_pass is not None:
             raise RuntimeError("flush() was called inside a backward pass; call it after backward returns")
-        pending = win.micro_step > 0 or self._sync is not None
+        pending = win.micro_step > 0 or self._spans_ranks()
         if self.in_backward and self.accumulation_steps == 1:
             win.weight_sum = 1.0 if win.live else 0.0  # mode A: a sum (see step)
         if pending:
@@ -494,25 +540,44 @@ class _AccumulatingOptimizer:
         if self.in_backward and self.accumulation_steps == 1 and weight != 1.0:
             raise ValueError("with in_backward=True and accumulation_steps=1 the backward passes are summed: "
                              "a micro-batch weight has no meaning there (scale the loss instead)")
+        if self._shards is not None and self.in_backward and weight != 1.0:
+            raise ValueError("with FSDP2 and in_backward=True a micro-batch's weight must reach its gradients "
+                             "before FSDP2 averages them over the ranks: pass it to opt.backward(loss, weight=w)")
+        if self._window.backward_done:
+            raise ValueError("set_micro_batch_weight() after opt.backward(): give the weight to backward(loss, "
+                             "weight=...) or set it before")
         self._window.pending_weight = weight
 
     def backward(self, loss: Tensor, *, weight: float | Tensor | None = None, **backward_kwargs) -> None:
-        """in_backward: run ``loss.backward(**backward_kwargs)`` as one micro-batch of weight
-        ``weight``. With ``accumulation_steps=k > 1`` the k-th call applies the update before
-        it returns (``updated`` says so). With ``accumulation_steps=1`` the gradients are summed
-        (weight must be 1) and ``step()`` applies them."""
-        if not self.in_backward:
-            raise RuntimeError(f"{type(self).__name__}.backward() needs in_backward=True; otherwise call "
-                               "loss.backward() and step(weight=...)")
+        """Run ``loss.backward(**backward_kwargs)`` as one micro-batch of weight ``weight``
+        (default: the one set by set_micro_batch_weight, else 1).
+
+        Without in_backward, call ``step()`` (no ``weight=``) after it. This is how to weight
+        micro-batches with FSDP2: FSDP2 averages the ranks' gradients inside backward, so the
+        weight must reach them before, and here it scales the loss.
+
+        With in_backward and ``accumulation_steps=k > 1`` the k-th call applies the update
+        before it returns (``updated`` says so). With ``accumulation_steps=1`` the gradients
+        are summed (weight must be 1) and ``step()`` applies them."""
+        win = self._window
         if weight is None:
-            weight = 1.0 if self._window.pending_weight is None else self._window.pending_weight
+            weight = 1.0 if win.pending_weight is None else win.pending_weight
         weight = _check_weight(weight)
+        if self._shards is not None and weight != 1.0:
+            loss = loss * weight  # before FSDP2's reduce-scatter averages the ranks' gradients
+        if not self.in_backward:
+            if win.backward_done:
+                raise RuntimeError(f"{type(self).__name__}.backward() was called twice without step() in between: "
+                                   "autograd would add both micro-batches into .grad under one weight")
+            torch.autograd.backward(loss, **backward_kwargs)
+            win.pending_weight, win.backward_done = weight, True
+            return
         if self.accumulation_steps == 1 and weight != 1.0:
             raise ValueError("with in_backward=True and accumulation_steps=1 the backward passes are summed: "
                              "weight must be 1 (scale the loss instead), or set accumulation_steps")
-        if self._window.backward_pass is not None:
+        if win.backward_pass is not None:
             raise RuntimeError("opt.backward() was called inside another backward pass")
-        self._window.pending_weight = weight
+        win.pending_weight = weight
         try:
             torch.autograd.backward(loss, **backward_kwargs)
             if self._window.pending_weight is not None:
@@ -547,16 +612,16 @@ class _AccumulatingOptimizer:
         win = self._window
         if mb.fold:
             live = p in win.live
-            buf = _real(self._buffer(p))
+            buf = _kernel_view(self._buffer(p))
             self._update(self._backend_for(p), self._group_of[p], [p], [buf], weight_sum=mb.weight_sum,
-                         clip_coef=None, grads=[_real(grad)], weight=mb.weight, overwrite=not live, grad_scale=None)
+                         clip_coef=None, grads=[_kernel_view(grad)], weight=mb.weight, overwrite=not live, grad_scale=None)
             mb.done.add(p)
         elif p not in win.live and self._can_adopt(p, grad, mb.weight):
             win.buffers[p] = grad  # zero-copy: autograd's fresh gradient becomes the buffer
             win.adopted.add(p)
             win.live.add(p)
         else:
-            self._backend_for(p).accumulate(grads=[_real(grad)], buffers=[_real(self._buffer(p))],
+            self._backend_for(p).accumulate(grads=[_kernel_view(grad)], buffers=[_kernel_view(self._buffer(p))],
                                             weight=mb.weight, overwrite=p not in win.live)
             win.live.add(p)
 
@@ -564,7 +629,8 @@ class _AccumulatingOptimizer:
         """Whether the first gradient of a window can be the buffer itself: the same dtype and
         layout, weight 1, nothing else holding it (a view may be DDP's bucket), no flat buffers."""
         return (weight == 1.0 and self._sync is None and grad.dtype == _state_dtype(p) and grad.device == p.device
-                and grad._base is None and grad.is_contiguous() and p.is_contiguous())
+                and grad._base is None and grad.is_contiguous() and p.is_contiguous()
+                and not _is_dtensor(grad))  # FSDP2's shards are views of one reduce-scatter output
 
     def _begin_backward_pass(self) -> _BackwardPass:
         win = self._window
@@ -577,8 +643,10 @@ class _AccumulatingOptimizer:
             win.weight_shift = 0
         else:
             weight = self._enter_weight(weight)
-        fold = closing and self.max_grad_norm is None and self._sync is None
-        self._window.backward_pass = _BackwardPass(weight, win.weight_sum + weight, closing, fold)
+        fold = closing and self.max_grad_norm is None and not self._spans_ranks()
+        # With FSDP2, opt.backward scaled the loss by the weight: the gradients carry it.
+        grad_weight = 1.0 if self._shards is not None else weight
+        self._window.backward_pass = _BackwardPass(grad_weight, win.weight_sum + weight, closing, fold)
         return self._window.backward_pass
 
     @torch.no_grad()
@@ -590,6 +658,8 @@ class _AccumulatingOptimizer:
         win = self._window
         win.micro_step += 1
         win.weight_sum = mb.weight_sum
+        if self._shards is not None:
+            win.late_weights.append(None)
         if not mb.closing:
             win.updated = False
             return
@@ -617,8 +687,8 @@ class _AccumulatingOptimizer:
         norms = {}
         for (_, _, _, overwrite), items in calls.items():
             call_norms = self._backend_for(items[0][0]).accumulate(
-                grads=[_real(g) for _, g in items],
-                buffers=[_real(self._buffer(p)) for p, _ in items],
+                grads=[_kernel_view(g) for _, g in items],
+                buffers=[_kernel_view(self._buffer(p)) for p, _ in items],
                 weight=weight,
                 overwrite=overwrite,
                 grad_scale=grad_scale,
@@ -643,11 +713,14 @@ class _AccumulatingOptimizer:
         not yet accumulated; ``norms`` the per-parameter window-gradient norms already computed."""
         win = self._window
         weight_sum = win.weight_sum
+        clip_coef = None
         if self._sync is not None:
             weight_sum, skip, live = self._sync.reduce_window(
                 self._all_params(), win.live, weight_sum, win.weight_shift, win.found_inf, flushing)
             win.live.clear()
             win.live.update(live)
+        elif self._shards is not None:
+            weight_sum, skip, clip_coef = self._close_sharded_window(weight_sum, flushing)
         else:
             skip = win.found_inf is not None and bool(win.found_inf.item() > 0)
         # An empty window (no gradient anywhere: no micro-batch on any rank, or only None grads)
@@ -655,12 +728,47 @@ class _AccumulatingOptimizer:
         applied = not skip and weight_sum > 0 and bool(win.live or last_pairs)
         try:
             if applied:
-                clip_coef = None if self.max_grad_norm is None else self._clip_coefficient(weight_sum, norms or {})
+                if self.max_grad_norm is not None and clip_coef is None:
+                    clip_coef = self._clip_coefficient(weight_sum, norms or {})
                 self._apply_window(dict(last_pairs), last_weight, grad_scale, weight_sum, clip_coef)
                 win.update_count += 1
         finally:
             win.close()
         return applied
+
+    def _close_sharded_window(self, weight_sum: float, flushing: bool) -> tuple[float, bool, Tensor | None]:
+        """FSDP2: agree with the mesh's other ranks on the window (see distributed.ShardSync).
+        Returns (the divisor W / N, skip, clip coefficient or None). The window's global norm is
+        measured whether or not it clips, so that a non-finite value in any rank's shard skips
+        the window on every rank instead of updating some shards and not others."""
+        win = self._window
+        if win.grads_held and len(set(win.late_weights)) > 1:
+            raise RuntimeError(
+                "a micro-batch's gradients were held back by FSDP2 (set_requires_gradient_sync(False)) and arrived "
+                "summed with a later one's, but the window's weights, given after backward, differ: pass each "
+                f"weight before its backward with {type(self).__name__}.backward(loss, weight=w), then step()"
+            )
+        by_kind = defaultdict(list)
+        for p in self._all_params():
+            if p in win.live:
+                by_kind[(p.device, p.dtype)].append(p)
+        sq_norm = None
+        for params in by_kind.values():
+            norms = self._backend_for(params[0]).window_norms(
+                buffers=[_kernel_view(win.buffers[p]) for p in params], weight_sum=1.0)
+            part = norms.to(torch.float64).square().sum()
+            sq_norm = part if sq_norm is None else sq_norm + part.to(sq_norm.device)
+        device = self._all_params()[0].device
+        divisor, sq_norm = self._shards.reduce_window(device, weight_sum, sq_norm, flushing, win.late_weights)
+        if divisor <= 0:
+            return divisor, False, None
+        total_norm = (sq_norm.sqrt() / divisor).float()
+        if not math.isfinite(total_norm.item()):
+            return divisor, True, None
+        if self.max_grad_norm is None:
+            return divisor, False, None
+        self.last_grad_norm = total_norm
+        return divisor, False, torch.clamp(self.max_grad_norm / (total_norm + 1e-6), max=1.0)
 
     def _clip_coefficient(self, weight_sum: float, norms: dict[Tensor, Tensor]) -> Tensor:
         """min(max_grad_norm / (||g|| + 1e-6), 1) on the device, as clip_grad_norm_ computes
@@ -673,7 +781,7 @@ class _AccumulatingOptimizer:
                 missing[(p.device, p.dtype)].append(p)
         for params in missing.values():
             measured = self._backend_for(params[0]).window_norms(
-                buffers=[_real(self._window.buffers[p]) for p in params], weight_sum=weight_sum)
+                buffers=[_kernel_view(self._window.buffers[p]) for p in params], weight_sum=weight_sum)
             norms = {**norms, **dict(zip(params, measured.unbind()))}
         first_device = live[0].device
         total_norm = torch.linalg.vector_norm(torch.stack([norms[p].to(first_device) for p in live]))
@@ -701,10 +809,10 @@ class _AccumulatingOptimizer:
         for (_, _, _, fold), params in calls.items():
             last = {}
             if fold is not None:
-                last = dict(grads=[_real(last_grads[p]) for p in params], weight=last_weight,
+                last = dict(grads=[_kernel_view(last_grads[p]) for p in params], weight=last_weight,
                             overwrite=fold[1], grad_scale=grad_scale)
             self._update(self._backend_for(params[0]), group, params,
-                         [_real(self._window.buffers[p]) for p in params],
+                         [_kernel_view(self._window.buffers[p]) for p in params],
                          weight_sum=weight_sum, clip_coef=clip_coef, **last)
 
     def _call_key(self, p: Tensor):
@@ -875,20 +983,18 @@ class SGD(_AccumulatingOptimizer, torch.optim.SGD):
     def _update(self, backend, group, params, buffers, **window) -> None:
         momentum = _as_float(group["momentum"])
         # .get on the defaultdict: SGD without momentum keeps no per-parameter entry, as torch.
-        momentum_buffers = [_real(b) if b is not None else None
+        momentum_buffers = [_kernel_view(b) if b is not None else None
                             for b in (self.state.get(p, {}).get("momentum_buffer") for p in params)]
         backend.sgd_update(
-            params=[_real(p) for p in params], buffers=buffers, momentum_buffers=momentum_buffers,
+            params=[_kernel_view(p) for p in params], buffers=buffers, momentum_buffers=momentum_buffers,
             lr=_lr(group), momentum=momentum, dampening=_as_float(group["dampening"]),
             weight_decay=_as_float(group["weight_decay"]), nesterov=group["nesterov"],
             maximize=group["maximize"], **window,
         )
         if momentum != 0:
             for p, momentum_buffer in zip(params, momentum_buffers):
-                # A new buffer comes back real; complex parameters keep complex state, as torch's.
-                self.state[p]["momentum_buffer"] = (torch.view_as_complex(momentum_buffer)
-                                                    if p.is_complex() and not momentum_buffer.is_complex()
-                                                    else momentum_buffer)
+                if self.state[p].get("momentum_buffer") is None:  # new: a backend made it from local shards
+                    self.state[p]["momentum_buffer"] = _like_param(momentum_buffer, p)
 
 
 class Adam(_AccumulatingOptimizer, torch.optim.Adam):
@@ -933,9 +1039,9 @@ class Adam(_AccumulatingOptimizer, torch.optim.Adam):
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         backend.adam_update(
-            params=[_real(p) for p in params], buffers=buffers,
-            exp_avgs=[_real(s["exp_avg"]) for s in states], exp_avg_sqs=[_real(s["exp_avg_sq"]) for s in states],
-            max_exp_avg_sqs=[_real(s["max_exp_avg_sq"]) for s in states] if amsgrad else [],
+            params=[_kernel_view(p) for p in params], buffers=buffers,
+            exp_avgs=[_kernel_view(s["exp_avg"]) for s in states], exp_avg_sqs=[_kernel_view(s["exp_avg_sq"]) for s in states],
+            max_exp_avg_sqs=[_kernel_view(s["max_exp_avg_sq"]) for s in states] if amsgrad else [],
             step=int(states[0]["step"].item()), lr=_lr(group), beta1=_as_float(beta1),
             beta2=_as_float(beta2), eps=_as_float(group["eps"]), weight_decay=_as_float(group["weight_decay"]),
             amsgrad=amsgrad, maximize=group["maximize"], decoupled_weight_decay=group["decoupled_weight_decay"],
@@ -1027,7 +1133,7 @@ class GradientAccumulator(_AccumulatingOptimizer, torch.optim.Optimizer):
                 p.grad = None
         for params in calls.values():
             self._backend_for(params[0]).write_window_grads(
-                buffers=[_real(self._window.buffers[p]) for p in params], grads=[_real(p.grad) for p in params],
+                buffers=[_kernel_view(self._window.buffers[p]) for p in params], grads=[_kernel_view(p.grad) for p in params],
                 weight_sum=weight_sum, clip_coef=clip_coef)
         self.optimizer.step()
         if self.accumulation_steps > 1:
