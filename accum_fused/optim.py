@@ -73,6 +73,22 @@ def _like_param(local: Tensor, param: Tensor) -> Tensor:
     return local
 
 
+def _called_from_torch_checkpoint(function: str) -> bool:
+    """Whether torch.distributed.checkpoint.state_dict's ``function`` is on the call stack (a
+    few frames up). Its get/set_optimizer_state_dict call step() with zero gradients and lr 0
+    to create state (``_init_optim_state``), which must not count as a micro-batch, and keep
+    only "state" and "param_groups" of state_dict() (``_get_optim_state_dict``)."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == function and code.co_filename.replace("\\", "/").endswith("checkpoint/state_dict.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _weight_band(weight: float) -> int:
     return _WEIGHT_BAND * math.floor(math.frexp(weight)[1] / _WEIGHT_BAND)
 
@@ -385,6 +401,9 @@ class _AccumulatingOptimizer:
 
         ``weight`` defaults to the one given by ``set_micro_batch_weight`` for this micro-batch
         (read after the closure ran, so a closure may set it), else 1.0."""
+        if _called_from_torch_checkpoint("_init_optim_state"):
+            self._init_state_for_checkpoint()
+            return None
         win = self._window
         if weight is not None:
             weight = _check_weight(weight)
@@ -843,7 +862,8 @@ class _AccumulatingOptimizer:
         """torch's zero_grad; with in_backward and accumulation_steps=1 it also empties the
         buffers, which hold what .grad would have held (with k > 1 the window is the optimizer's)."""
         super().zero_grad(set_to_none)
-        if getattr(self, "in_backward", False) and self.accumulation_steps == 1:
+        if (getattr(self, "in_backward", False) and self.accumulation_steps == 1
+                and not _called_from_torch_checkpoint("_init_optim_state")):  # clearing its own zero grads
             self._window.close()
 
     def _refuse_copy_when_synced(self) -> None:
@@ -860,8 +880,69 @@ class _AccumulatingOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict plus an ``"accumulation"`` entry with the open window: its
-        buffers (by parameter index, as in ``"state"``), counters and GradScaler flag."""
-        return {**super().state_dict(), "accumulation": self._accumulation_entry()}
+        buffers (by parameter index, as in ``"state"``), counters and GradScaler flag. With
+        FSDP2 parameters the window is carried inside "state" and "param_groups" instead (see
+        _window_inside_state)."""
+        return self._finish_state_dict({**super().state_dict(), "accumulation": self._accumulation_entry()})
+
+    def _init_state_for_checkpoint(self) -> None:
+        """torch.distributed.checkpoint's stand-in for a first step: create the state a first
+        update would, so that a fresh optimizer's state_dict is a load template; the window,
+        parameters and step counts stay as they are."""
+
+    def _finish_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self._shards is not None:
+            return self._window_inside_state(state_dict)
+        if self._window.micro_step > 0 and _called_from_torch_checkpoint("_get_optim_state_dict"):
+            raise RuntimeError(
+                f"torch.distributed.checkpoint's get_optimizer_state_dict keeps only 'state' and 'param_groups' of "
+                f"{type(self).__name__}.state_dict(), so this open window ({self._window.micro_step} micro-batches) "
+                "would be lost: save at a window boundary (after the update or flush()), or save opt.state_dict() "
+                "itself (torch.save)"
+            )
+        return state_dict
+
+    def _window_inside_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """FSDP2 users checkpoint with torch.distributed.checkpoint (get/set_optimizer_state_dict,
+        dcp.save/load), which keeps only "state" and "param_groups". So the window rides there:
+        each parameter's buffer as "accumulation_buffer" in its state (a DTensor, saved sharded;
+        for every parameter, so that a fresh optimizer's state_dict is a load template for any
+        checkpoint), whether it is live as "accumulation_live", and the counters as the first
+        group's "accumulation". load_state_dict takes them back out."""
+        entry = state_dict.pop("accumulation")
+        state = dict(state_dict["state"])
+        for index, p in enumerate(self._all_params()):
+            if p.requires_grad:
+                state[index] = {**state.get(index, {}), "accumulation_buffer": self._buffer(p),
+                                "accumulation_live": torch.tensor(float(index in entry["buffers"]))}
+        groups = [dict(group) for group in state_dict["param_groups"]]
+        # Plain numbers: DCP saves a group's values as bytes, and a load template (a fresh
+        # optimizer's, whose norm is None) must have the same kind of entry as the checkpoint.
+        groups[0]["accumulation"] = {key: value.item() if isinstance(value, Tensor) else value
+                                     for key, value in entry.items() if key != "buffers"}
+        return {**state_dict, "state": state, "param_groups": groups}
+
+    @staticmethod
+    def _window_out_of_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The inverse of _window_inside_state: (state_dict as torch.optim has it, the
+        "accumulation" entry), or the state_dict unchanged and None when it carries no window."""
+        groups = state_dict.get("param_groups") or [{}]
+        if "accumulation" not in groups[0]:
+            return state_dict, None
+        groups = [dict(group) for group in groups]
+        entry = {**groups[0].pop("accumulation"), "buffers": {}}
+        for key in ("found_inf", "last_grad_norm"):
+            if entry.get(key) is not None:
+                entry[key] = torch.tensor(entry[key], dtype=torch.float32)
+        state = {}
+        for index, saved in state_dict["state"].items():
+            saved = dict(saved)
+            buffer, live = saved.pop("accumulation_buffer", None), saved.pop("accumulation_live", None)
+            if live is not None and float(live) > 0:
+                entry["buffers"][index] = buffer
+            if saved:
+                state[index] = saved
+        return {**state_dict, "state": state, "param_groups": groups}, entry
 
     def _accumulation_entry(self) -> dict[str, Any]:
         win = self._window
@@ -875,6 +956,8 @@ class _AccumulatingOptimizer:
             "updated": win.updated,
             "found_inf": win.found_inf,
             "last_grad_norm": win.last_grad_norm,
+            "late_weights": list(win.late_weights),
+            "grads_held": win.grads_held,
             "buffers": {index[p]: win.buffers[p] for p in win.live},
         }
 
@@ -883,6 +966,8 @@ class _AccumulatingOptimizer:
         the entry checked against this optimizer before anything is loaded."""
         state_dict = dict(state_dict)
         accumulation = state_dict.pop("accumulation", None)
+        if accumulation is None:
+            state_dict, accumulation = self._window_out_of_state(state_dict)
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         params = self._all_params()
         by_id = dict(zip(saved_ids, params)) if len(saved_ids) == len(params) else {}
@@ -898,7 +983,9 @@ class _AccumulatingOptimizer:
         change exactly what they do on torch.optim; torch casts floating state to the parameter
         dtype, so for reduced-precision parameters the wide state is put back from the loaded
         values (by a post hook that runs before the user's)."""
-        _, accumulation, by_id = self._split_accumulation_entry(state_dict)
+        torch_state_dict, accumulation, by_id = self._split_accumulation_entry(state_dict)
+        if "accumulation" in state_dict:
+            torch_state_dict = state_dict  # torch ignores the entry; hooks see it as saved
         loaded = {}
 
         def capture(optimizer, final_state_dict):  # registered last: sees the user's pre hooks' result
@@ -921,7 +1008,7 @@ class _AccumulatingOptimizer:
         pre = self.register_load_state_dict_pre_hook(capture)
         post = self.register_load_state_dict_post_hook(keep_state_wide, prepend=True)
         try:
-            super().load_state_dict(state_dict)  # validates groups first
+            super().load_state_dict(torch_state_dict)  # validates groups first
         finally:
             pre.remove()
             post.remove()
@@ -938,6 +1025,8 @@ class _AccumulatingOptimizer:
         win.weight_shift = accumulation.get("weight_shift", 0)  # saved before weight bands: 0
         win.update_count = accumulation["update_count"]
         win.updated = accumulation["updated"]
+        win.late_weights[:] = accumulation.get("late_weights", [])
+        win.grads_held = accumulation.get("grads_held", False)
         # Saved on the device the checkpoint was taken on: bring them to this optimizer's.
         device = self._all_params()[0].device if self._all_params() else torch.device("cpu")
         norm, found = accumulation["last_grad_norm"], accumulation["found_inf"]
@@ -979,6 +1068,15 @@ class SGD(_AccumulatingOptimizer, torch.optim.SGD):
         torch.optim.SGD.__init__(self, params, lr, momentum, dampening, weight_decay, nesterov, maximize=maximize,
                                  foreach=foreach, differentiable=differentiable, fused=fused)
         self._init_accumulation(accumulation_steps, max_grad_norm, backend, process_group, in_backward)
+
+    def _init_state_for_checkpoint(self) -> None:
+        # As torch.optim.SGD's zero-gradient first step would: a zero momentum buffer (with
+        # dampening 0 the next update is then the same as from none).
+        for group in self.param_groups:
+            if _as_float(group["momentum"]) != 0:
+                for p in group["params"]:
+                    if p.requires_grad and self.state[p].get("momentum_buffer") is None:
+                        self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=_state_dtype(p))
 
     def _update(self, backend, group, params, buffers, **window) -> None:
         momentum = _as_float(group["momentum"])
@@ -1024,18 +1122,27 @@ class Adam(_AccumulatingOptimizer, torch.optim.Adam):
         step = self.state.get(p, {}).get("step")
         return 0 if step is None else int(step.item())
 
+    def _init_param_state(self, p: Tensor, group) -> dict:
+        state = self.state[p]
+        if "step" not in state:
+            wide = dict(dtype=_state_dtype(p), memory_format=torch.preserve_format)
+            state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
+            state["exp_avg"] = torch.zeros_like(p, **wide)
+            state["exp_avg_sq"] = torch.zeros_like(p, **wide)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, **wide)
+        return state
+
+    def _init_state_for_checkpoint(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._init_param_state(p, group)
+
     def _update(self, backend, group, params, buffers, **window) -> None:
         amsgrad = group["amsgrad"]
         for p in params:
-            state = self.state[p]
-            if "step" not in state:
-                wide = dict(dtype=_state_dtype(p), memory_format=torch.preserve_format)
-                state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
-                state["exp_avg"] = torch.zeros_like(p, **wide)
-                state["exp_avg_sq"] = torch.zeros_like(p, **wide)
-                if amsgrad:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, **wide)
-            state["step"] += 1
+            self._init_param_state(p, group)["step"] += 1
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         backend.adam_update(
@@ -1151,7 +1258,10 @@ class GradientAccumulator(_AccumulatingOptimizer, torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state_dict plus the ``"accumulation"`` entry (open window)."""
-        return {**self.optimizer.state_dict(), "accumulation": self._accumulation_entry()}
+        return self._finish_state_dict({**self.optimizer.state_dict(), "accumulation": self._accumulation_entry()})
+
+    def _init_state_for_checkpoint(self) -> None:
+        self.optimizer.step()  # the zero gradients and lr 0 torch.distributed.checkpoint set
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load our state_dict (mid-window resume) or a plain one of the inner optimizer."""
