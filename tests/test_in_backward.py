@@ -236,11 +236,28 @@ def test_mode_a_refuses_a_step_weight_and_backward_weight():
     assert opt.micro_step == 1
 
 
-def test_backward_needs_in_backward():
-    model = make_model()
-    opt = accum_fused.AdamW(model.parameters(), accumulation_steps=2)
-    with pytest.raises(RuntimeError, match="in_backward=True"):
-        opt.backward(loss_of(model, make_batches([2])[0]))
+def test_backward_without_in_backward_weights_the_next_step(backend):
+    """opt.backward(loss, weight=w) then step() is step(weight=w) after loss.backward() (the
+    form FSDP2 needs); a second backward before step(), or a weight given twice, is refused."""
+    batches = make_batches([3, 1, 4, 2])
+    model, ref = make_model(), make_model()
+    opt = accum_fused.AdamW(model.parameters(), accumulation_steps=2, backend=backend)
+    ref_opt = accum_fused.AdamW(ref.parameters(), accumulation_steps=2, backend=backend)
+    for batch in batches:
+        opt.backward(loss_of(model, batch), weight=len(batch[0]))
+        opt.step()
+        loss_of(ref, batch).backward()
+        ref_opt.step(weight=len(batch[0]))
+    assert opt.update_count == 2
+    assert_params_equal(model, ref)
+    opt.backward(loss_of(model, batches[0]))
+    with pytest.raises(RuntimeError, match="twice without step"):
+        opt.backward(loss_of(model, batches[1]))
+    with pytest.raises(ValueError, match="without weight="):
+        opt.step(weight=2.0)
+    assert opt.micro_step == 0  # refused calls changed nothing
+    opt.step()
+    assert opt.micro_step == 1
 
 
 def test_grad_scaler_is_refused_clearly():
