@@ -317,13 +317,16 @@ class ShardSync:
 
     @torch.no_grad()
     def reduce_window(self, device: torch.device, weight_sum: float, sq_norm: Tensor | None, flushing: bool,
-                      late_weights: list[float | None]) -> tuple[float, Tensor]:
-        """Collective over the mesh. ``late_weights[j]`` is micro-batch j's weight when it was
-        given after backward, else None. Returns (W / N, global squared norm as a 0-dim fp64
-        tensor on ``device``)."""
+                      late_weights: list[float | None], window_length: int) -> tuple[float, Tensor]:
+        """Collective over the mesh; every rank has the same ``window_length`` (its optimizer's
+        accumulation_steps). ``late_weights[j]`` is micro-batch j's weight when it was given
+        after backward, else None. Returns (W / N, global squared norm as a 0-dim fp64 tensor
+        on ``device``)."""
         dist = _dist()
         late = []
-        for w in late_weights:
+        # Padded to the window length (the same on every rank): the all-reduce's size must agree
+        # also when a rank flushes a partial window while another closes a full one.
+        for w in late_weights + [None] * (window_length - len(late_weights)):
             late += [0.0, 0.0, 0.0] if w is None else [1.0, w, w * w]
         meta = torch.tensor([weight_sum, float(flushing), 0.0] + late, dtype=torch.float64).to(device)
         if sq_norm is not None:
@@ -336,7 +339,7 @@ class ShardSync:
                 f"accum_fused: {int(flushers)} rank(s) called flush() while the others closed a window in step(): "
                 "with FSDP2 every rank must close the same windows (the same number of micro-batches per rank)"
             )
-        for j in range(len(late_weights)):
+        for j in range(window_length):
             count, s, sq = values[3 + 3 * j: 6 + 3 * j]
             if count == 0:
                 continue

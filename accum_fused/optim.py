@@ -442,9 +442,9 @@ class _AccumulatingOptimizer:
         # autograd would have summed into .grad), so the window's divisor is 1.
         win.weight_sum = 1.0 if self.in_backward else win.weight_sum + weight
         win.found_inf = found_inf
-        if self._shards is not None:
+        if self._shards is not None and not self.in_backward:  # (in_backward mode A sums: no weights)
             win.late_weights.append(None if in_loss else weight)
-            win.grads_held |= not pairs and not in_loss
+            win.grads_held |= not pairs
         if not closing:
             self._accumulate(pairs, grad_weight, grad_scale)
             win.updated = False
@@ -600,7 +600,9 @@ class _AccumulatingOptimizer:
         try:
             torch.autograd.backward(loss, **backward_kwargs)
             if self._window.pending_weight is not None:
-                # No parameter of this optimizer received a gradient: still one micro-batch.
+                # No parameter of this optimizer received a gradient (FSDP2 may hold them back
+                # for a later backward): still one micro-batch.
+                self._window.grads_held |= self._shards is not None
                 self._begin_backward_pass()
                 self._end_backward_pass()
         finally:
@@ -677,8 +679,8 @@ class _AccumulatingOptimizer:
         win = self._window
         win.micro_step += 1
         win.weight_sum = mb.weight_sum
-        if self._shards is not None:
-            win.late_weights.append(None)
+        if self._shards is not None and self.accumulation_steps > 1:
+            win.late_weights.append(None)  # opt.backward put the weight into the loss
         if not mb.closing:
             win.updated = False
             return
@@ -761,7 +763,7 @@ class _AccumulatingOptimizer:
         measured whether or not it clips, so that a non-finite value in any rank's shard skips
         the window on every rank instead of updating some shards and not others."""
         win = self._window
-        if win.grads_held and len(set(win.late_weights)) > 1:
+        if win.grads_held and len(set(win.late_weights)) > 1:  # late weights, or late and in-loss mixed
             raise RuntimeError(
                 "a micro-batch's gradients were held back by FSDP2 (set_requires_gradient_sync(False)) and arrived "
                 "summed with a later one's, but the window's weights, given after backward, differ: pass each "
@@ -778,7 +780,8 @@ class _AccumulatingOptimizer:
             part = norms.to(torch.float64).square().sum()
             sq_norm = part if sq_norm is None else sq_norm + part.to(sq_norm.device)
         device = self._all_params()[0].device
-        divisor, sq_norm = self._shards.reduce_window(device, weight_sum, sq_norm, flushing, win.late_weights)
+        divisor, sq_norm = self._shards.reduce_window(device, weight_sum, sq_norm, flushing, win.late_weights,
+                                                      self.accumulation_steps)
         if divisor <= 0:
             return divisor, False, None
         total_norm = (sq_norm.sqrt() / divisor).float()
@@ -909,16 +912,31 @@ class _AccumulatingOptimizer:
         for every parameter, so that a fresh optimizer's state_dict is a load template for any
         checkpoint), whether it is live as "accumulation_live", and the counters as the first
         group's "accumulation". load_state_dict takes them back out."""
+        if self._window.grads_held:
+            raise RuntimeError(
+                "FSDP2 holds gradients of this open window (set_requires_gradient_sync(False)), which no checkpoint "
+                "saves: checkpoint at a window boundary (after the update or flush())"
+            )
         entry = state_dict.pop("accumulation")
         state = dict(state_dict["state"])
         for index, p in enumerate(self._all_params()):
             if p.requires_grad:
                 state[index] = {**state.get(index, {}), "accumulation_buffer": self._buffer(p),
                                 "accumulation_live": torch.tensor(float(index in entry["buffers"]))}
+        # The counters every rank shares as plain numbers: DCP saves a group's values as bytes
+        # (once, not per rank), and a load template (a fresh optimizer's, whose norm is None)
+        # must have the same kind of entry as the checkpoint. The rank's own weights as a
+        # DTensor with one shard per rank, [weight sum, then (given, weight) per micro-batch].
+        local = [entry.pop("weight_sum")]
+        for weight in entry.pop("late_weights") + [None] * (self.accumulation_steps - len(self._window.late_weights)):
+            local += [0.0, 0.0] if weight is None else [1.0, weight]
+        del entry["grads_held"]  # False: refused above
+        from torch.distributed.tensor import DTensor, Shard
+        mesh = self._shards.mesh
+        entry["rank_weights"] = DTensor.from_local(
+            torch.tensor(local, dtype=torch.float64, device=mesh.device_type), mesh, [Shard(0)], run_check=False)
         groups = [dict(group) for group in state_dict["param_groups"]]
-        # Plain numbers: DCP saves a group's values as bytes, and a load template (a fresh
-        # optimizer's, whose norm is None) must have the same kind of entry as the checkpoint.
-        groups[0]["accumulation"] = {key: value.item() if isinstance(value, Tensor) else value
+        groups[0]["accumulation"] = {key: value.item() if isinstance(value, Tensor) and not _is_dtensor(value) else value
                                      for key, value in entry.items() if key != "buffers"}
         return {**state_dict, "state": state, "param_groups": groups}
 
@@ -934,6 +952,10 @@ class _AccumulatingOptimizer:
         for key in ("found_inf", "last_grad_norm"):
             if entry.get(key) is not None:
                 entry[key] = torch.tensor(entry[key], dtype=torch.float32)
+        local = entry.pop("rank_weights").to_local().tolist()
+        entry["weight_sum"] = local[0]
+        entry["late_weights"] = [weight if given else None for given, weight in zip(local[1::2], local[2::2])]
+        del entry["late_weights"][entry["micro_step"]:]
         state = {}
         for index, saved in state_dict["state"].items():
             saved = dict(saved)

@@ -1,0 +1,344 @@
+"""One rank of the two-process FSDP2 tests (tests/test_fsdp2.py starts two of these).
+
+    python tests/_fsdp_worker.py RANK WORLD_SIZE PORT OUT_DIR
+
+Runs every scenario of ``SCENARIOS`` on every backend that loads, with the model sharded by
+``fully_shard`` over 2 gloo ranks, against the single-process big batch over both ranks'
+micro-batches (plain torch.optim, clip_grad_norm_), computed here from the same seeded data;
+writes {"<scenario>-<name>[<backend>]": "ok" | failure text} to OUT_DIR/rank<RANK>.json.
+
+The data is uneven on purpose: each rank's micro-batches have other sizes (token-weighted
+mean), windows of K=3, two full windows and a partial one closed with flush().
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import accum_fused
+
+K = 3
+CLIP = 0.5
+# SIZES[rank][i]: rows of rank's i-th micro-batch (7 each: windows of 3, 3 and a partial 1).
+SIZES = ((3, 1, 5, 2, 4, 1, 2), (2, 4, 1, 1, 1, 3, 5))
+
+
+class Net(nn.Module):
+    """Two sharded layers and a 1-element scale (on 2 ranks only rank 0's shard holds it)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(6, 9), nn.Linear(9, 3)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x, y, poison: float = 0.0):
+        out = self.fc2(torch.tanh(self.fc1(x))) * self.scale
+        # poison=inf makes only the scale's gradient non-finite (the loss value too).
+        return (out - y).square().mean() + (self.scale * poison).sum()
+
+
+def make_data():
+    gen = torch.Generator().manual_seed(7)
+    return [[(torch.randn(n, 6, generator=gen), torch.randn(n, 3, generator=gen)) for n in sizes]
+            for sizes in SIZES]
+
+
+def windows(n: int):
+    return [list(range(start, min(start + K, n))) for start in range(0, n, K)]
+
+
+def sharded_net(mixed_precision: bool = False) -> Net:
+    model = Net()
+    kw = {}
+    if mixed_precision:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(model.fc1, **kw)
+    fully_shard(model.fc2, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+OPTIMIZERS = {
+    "AdamW": (lambda ps, **kw: accum_fused.AdamW(ps, lr=0.02, weight_decay=0.1, **kw),
+              lambda ps: torch.optim.AdamW(ps, lr=0.02, weight_decay=0.1)),
+    "SGD": (lambda ps, **kw: accum_fused.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, **kw),
+            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "RMSprop-wrapped": (lambda ps, in_backward=False, **kw: accum_fused.GradientAccumulator(
+                            torch.optim.RMSprop(ps, lr=0.01), **kw),
+                        lambda ps: torch.optim.RMSprop(ps, lr=0.01)),
+}
+
+
+def reference(name, data, skip_windows=()):
+    """The single-process big batch: every rank's micro-batches of a window concatenated."""
+    model = Net()
+    opt = OPTIMIZERS[name][1](model.parameters())
+    for w, window in enumerate(windows(len(SIZES[0]))):
+        if w in skip_windows:
+            continue
+        x = torch.cat([data[r][i][0] for r in range(2) for i in window])
+        y = torch.cat([data[r][i][1] for r in range(2) for i in window])
+        opt.zero_grad()
+        model(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def build(name, backend, mixed_precision=False, **kw):
+    model = sharded_net(mixed_precision)
+    kw.setdefault("max_grad_norm", CLIP)
+    opt = OPTIMIZERS[name][0](list(model.parameters()), accumulation_steps=K, backend=backend, **kw)
+    return model, opt
+
+
+def micro_batch(pattern, model, opt, x, y, position, poison=0.0):
+    """One micro-batch in pattern a (reduce-scatter every backward), b (FSDP2 holds the
+    gradients until the window's last micro-batch), c (in_backward) or bc (both)."""
+    if "b" in pattern:
+        model.set_requires_gradient_sync(position == K - 1)
+    opt.backward(model(x, y, poison), weight=len(x))
+    if "c" not in pattern:
+        opt.step()
+
+
+def train(pattern, model, opt, data, rank, poison_at=None):
+    for w, window in enumerate(windows(len(SIZES[rank]))):
+        for position, i in enumerate(window):
+            x, y = data[rank][i]
+            poison = float("inf") if (rank, w, position) == poison_at else 0.0
+            micro_batch(pattern, model, opt, x, y, position if len(window) == K else K - 1, poison)
+    model.set_requires_gradient_sync(True)
+    return opt.flush()
+
+
+def full(model):
+    return [p.full_tensor() for p in model.parameters()]
+
+
+def check_close(got, expected, atol=1e-5, what=""):
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def expect_error(kind, match, fn):
+    try:
+        fn()
+    except kind as exc:
+        assert match in str(exc), f"{kind.__name__} without {match!r}: {exc}"
+        return
+    raise AssertionError(f"no {kind.__name__} ({match!r})")
+
+
+# ----------------------------------------------------------------------------- scenarios
+def big_batch(case, rank, backend, data):
+    """Patterns a, b and c with uneven token weights, clipping and a flushed partial window."""
+    pattern, name = case.split("-", 1)
+    model, opt = build(name, backend, in_backward="c" in pattern)
+    assert train(pattern, model, opt, data, rank)
+    assert opt.update_count == 3, opt.update_count
+    check_close(full(model), reference(name, data), what=case)
+    if opt.max_grad_norm is not None and name != "RMSprop-wrapped":
+        assert opt.last_grad_norm is not None
+
+
+def mixed_precision(pattern, rank, backend, data):
+    """bf16 compute, fp32 reduce: within bf16's reach of the fp32 big batch, ranks identical."""
+    model, opt = build("AdamW", backend, mixed_precision=True, in_backward="c" in pattern)
+    train(pattern, model, opt, data, rank)
+    check_close(full(model), reference("AdamW", data), atol=2e-3, what="bf16")
+
+
+def in_backward_sums(name, rank, backend, data):
+    """in_backward with accumulation_steps=1: the tutorial loop (loss / k, step every k-th)
+    on equal micro-batches is the big batch, as with torch.optim under FSDP2."""
+    model = sharded_net()
+    opt = OPTIMIZERS[name][0](list(model.parameters()), backend=backend, max_grad_norm=CLIP, in_backward=True)
+    gen = torch.Generator().manual_seed(3)
+    batches = [[(torch.randn(2, 6, generator=gen), torch.randn(2, 3, generator=gen)) for _ in range(2)]
+               for _ in range(2 * K)]
+    ref = Net()
+    ref_opt = OPTIMIZERS[name][1](ref.parameters())
+    for w in range(2):
+        window = batches[w * K:(w + 1) * K]
+        for micro in window:
+            (model(*micro[rank]) / K).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        ref(torch.cat([m[r][0] for m in window for r in range(2)]), torch.cat([m[r][1] for m in window for r in range(2)])).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ref_opt.step()
+    check_close(full(model), [p.detach() for p in ref.parameters()], what="sums")
+
+
+def late_weights(case, rank, backend, data):
+    """Weights given after backward (step(weight=)) reach gradients FSDP2 already averaged:
+    right when every rank gives the same weight per micro-batch, refused otherwise."""
+    model, opt = build("AdamW", backend)
+    before = full(model)
+    if case == "equal":  # micro-batch j weighs j + 1 on both ranks
+        for j in range(K):
+            model(*data[rank][j]).backward()
+            opt.step(weight=j + 1.0)
+        assert opt.updated
+        ref = Net()
+        ref_opt = OPTIMIZERS["AdamW"][1](ref.parameters())
+        total = sum(j + 1.0 for j in range(K)) * 2
+        sum(ref(*data[r][j]) * (j + 1.0) / total for r in range(2) for j in range(K)).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ref_opt.step()
+        check_close(full(model), [p.detach() for p in ref.parameters()], what="equal late weights")
+    elif case == "unequal":
+        for i in range(K - 1):
+            model(*data[rank][i]).backward()
+            opt.step(weight=len(data[rank][i][0]))
+        model(*data[rank][K - 1]).backward()
+        expect_error(RuntimeError, "backward(loss, weight=w)", lambda: opt.step(weight=len(data[rank][K - 1][0])))
+        check_close(full(model), before, atol=0, what="a refused window changes nothing")
+    else:  # held: FSDP2 sums the window's gradients, one late weight cannot weight them all
+        for i in range(K):
+            model.set_requires_gradient_sync(i == K - 1)
+            model(*data[0][i]).backward()
+            if i < K - 1:
+                opt.step(weight=i + 1.0)
+            else:
+                expect_error(RuntimeError, "held back", lambda: opt.step(weight=K))
+        model.set_requires_gradient_sync(True)
+
+
+def non_finite_skips_everywhere(pattern, rank, backend, data):
+    """A non-finite gradient in rank 0's shard only (the scale lives there) skips the window
+    on both ranks; the other windows train as the big batch without it."""
+    model, opt = build("AdamW", backend, in_backward="c" in pattern)
+    updates = []
+    for w, window in enumerate(windows(len(SIZES[rank]))):
+        for position, i in enumerate(window):
+            poison = float("inf") if (w, position) == (1, 0) and rank == 0 else 0.0
+            micro_batch(pattern, model, opt, *data[rank][i], position if len(window) == K else K - 1, poison)
+        updates.append(opt.updated)
+    model.set_requires_gradient_sync(True)
+    updates[-1] = opt.flush()
+    assert updates == [True, False, True], updates
+    check_close(full(model), reference("AdamW", data, skip_windows=(1,)), what="skipped window")
+
+
+def checkpoint_mid_window(case, rank, backend, data):
+    """get_state_dict / dcp.save mid-window, a fresh model and optimizer, dcp.load /
+    set_state_dict: training resumes bit for bit. DCP's init step on the fresh optimizer
+    counts as nothing. Pattern b mid-window is refused (FSDP2 holds the gradients)."""
+    pattern, name = case.split("-", 1)
+    model, opt = build(name, backend, in_backward="c" in pattern)
+    train(pattern, model, opt, data, rank)
+    expected = full(model)
+
+    model, opt = build(name, backend, in_backward="c" in pattern)
+    get_state_dict(model, opt)
+    assert (opt.micro_step, opt.update_count) == (0, 0)
+    stop = K + 1  # one micro-batch into the second window
+    for i in range(stop):
+        micro_batch(pattern, model, opt, *data[rank][i], i % K)
+    if "b" in pattern:  # FSDP2 holds the window's gradients: no checkpoint can save them
+        expect_error(RuntimeError, "window boundary", lambda: get_state_dict(model, opt))
+        return
+    model_sd, optim_sd = get_state_dict(model, opt)
+    path = os.path.join(tempfile.gettempdir(), f"accum_fused_dcp_{os.environ['DCP_RUN']}_{case}_{backend}")
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+    model, opt = build(name, backend, in_backward="c" in pattern)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    assert (opt.micro_step, opt.update_count) == (1, 1), (opt.micro_step, opt.update_count)
+    for i in range(stop, len(SIZES[rank])):
+        position = i % K if i < 2 * K else K - 1
+        micro_batch(pattern, model, opt, *data[rank][i], position)
+    model.set_requires_gradient_sync(True)
+    opt.flush()
+    for a, b in zip(full(model), expected):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+def refusals(case, rank, backend, data):
+    model = sharded_net()
+    params = list(model.parameters())
+    if case == "grad_scaler":
+        opt = accum_fused.AdamW(params, accumulation_steps=K, backend=backend)
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(model(*data[rank][0])).backward()
+        expect_error(RuntimeError, "GradScaler", lambda: scaler.step(opt))
+    elif case == "process_group":
+        expect_error(NotImplementedError, "process_group", lambda: accum_fused.AdamW(
+            params, backend=backend, process_group=dist.group.WORLD))
+    elif case == "mixed_params":
+        expect_error(NotImplementedError, "mix of DTensor and plain", lambda: accum_fused.AdamW(
+            params + [nn.Parameter(torch.ones(2))], backend=backend))
+    elif case == "in_backward_weight":
+        opt = accum_fused.AdamW(params, accumulation_steps=K, backend=backend, in_backward=True)
+        expect_error(ValueError, "opt.backward(loss, weight=w)", lambda: opt.set_micro_batch_weight(2.0))
+    elif case == "flush_mismatch":
+        opt = accum_fused.AdamW(params, accumulation_steps=2, backend=backend)
+        opt.backward(model(*data[rank][0]), weight=3)
+        opt.step()
+        opt.backward(model(*data[rank][1]), weight=3)
+        close = opt.flush if rank == 0 else opt.step
+        expect_error(RuntimeError, "flush()", close)
+
+
+SCENARIOS = {
+    "big_batch": (big_batch, [f"{p}-{n}" for p in ("a", "b", "c", "bc") for n in OPTIMIZERS
+                              if not ("c" in p and "wrapped" in n)]),
+    "mixed_precision": (mixed_precision, ["a", "b", "c"]),
+    "in_backward_sums": (in_backward_sums, ["AdamW", "SGD"]),
+    "late_weights": (late_weights, ["equal", "unequal", "held"]),
+    "non_finite": (non_finite_skips_everywhere, ["a", "b", "c"]),
+    "checkpoint": (checkpoint_mid_window, ["a-AdamW", "a-SGD", "b-SGD", "bc-AdamW", "c-AdamW", "a-RMSprop-wrapped"]),
+    "refusals": (refusals, ["grad_scaler", "process_group", "mixed_params", "in_backward_weight", "flush_mismatch"]),
+}
+
+
+def case_ids(backends) -> list[str]:
+    return [f"{scenario}-{name}[{backend}]" for scenario, (_, names) in SCENARIOS.items()
+            for name in names for backend in backends]
+
+
+def backends_to_test() -> list[str]:
+    return [b for b in ("torch", "cpp", "triton") if b in accum_fused.available_backends()]
+
+
+def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    os.environ["DCP_RUN"] = str(port)  # checkpoint directories of concurrent runs do not collide
+    data = make_data()
+    results = {}
+    for scenario, (run, names) in SCENARIOS.items():
+        for name in names:
+            for backend in backends_to_test():
+                case = f"{scenario}-{name}[{backend}]"
+                if os.environ.get("FSDP_WORKER_VERBOSE"):
+                    print(rank, case, flush=True)
+                try:
+                    run(name, rank, backend, data)
+                    results[case] = "ok"
+                except Exception:  # recorded per case; the ranks stay in step (same code path)
+                    results[case] = traceback.format_exc()
+                dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
