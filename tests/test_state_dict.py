@@ -6,6 +6,8 @@ import copy
 import pytest
 import torch
 
+import accum_fused
+
 from _helpers import (
     OPTIMIZERS,
     TORCH_STATE_KEYS,
@@ -312,3 +314,33 @@ def test_torch_checkpoint_of_bf16_model_is_widened(backend, name, hyper):
         for key in STATE_TENSOR_KEYS:
             if key in opt.state[p]:
                 assert opt.state[p][key].dtype == torch.float32, key
+
+
+# ------------------------------------------- torch.distributed.checkpoint's state_dict API
+def test_torch_dcp_state_dict_api_on_a_plain_model():
+    """get/set_optimizer_state_dict (torch.distributed.checkpoint.state_dict) work without
+    FSDP too. Their zero-gradient "init step" on a stateless optimizer must not count as a
+    micro-batch, and since they keep only "state" and "param_groups", an open window must be
+    refused rather than silently dropped (FSDP2 optimizers carry it: tests/test_fsdp2.py)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = accum_fused.AdamW(model.parameters(), lr=0.1, accumulation_steps=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    saved = get_optimizer_state_dict(model, opt)  # init step: state created, nothing counted
+    assert (opt.micro_step, opt.update_count) == (0, 0)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(int(s["step"]) == 0 for s in opt.state.values())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="window boundary"):
+        get_optimizer_state_dict(model, opt)
+    assert opt.micro_step == 1
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    saved = get_optimizer_state_dict(model, opt)  # at the boundary
+    fresh = accum_fused.AdamW(model.parameters(), lr=0.1, accumulation_steps=2)
+    set_optimizer_state_dict(model, fresh, saved)
+    assert all(torch.equal(fresh.state[p]["exp_avg"], opt.state[p]["exp_avg"]) for p in model.parameters())
+    assert fresh.micro_step == 0
