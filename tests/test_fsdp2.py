@@ -62,3 +62,17 @@ def test_two_ranks(rank_results, case):
     for rank, results in enumerate(rank_results):
         assert case in results, f"rank {rank} did not run {case}"
         assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
+
+
+def test_readme_fsdp2_example_runs():
+    """The README's `torchrun --nproc-per-node 2 examples/fsdp2.py`, as written (it checks
+    itself against a single-process AdamW on the big batch)."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "fsdp2.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(example)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the FSDP2 example did not finish within 300 s")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ": OK" in proc.stdout, proc.stdout
