@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_check.sh --dry-run OUTDIR    # CPU, tiny sizes, no build, no sanitizer (CI)
 #
 # OUTDIR gets at most 8 flat files of at most 16 MiB (what the device tool brings back):
-# summary.md, gpu_check.json, junit.xml, bench.json, bench.png, train.json, logs.txt.
+# summary.md, gpu_check.json (with the FSDP2 stage's results), junit.xml, bench.json, bench.png, train.json, logs.txt.
 # Each stage runs under `timeout` with a share of one deadline (GPU_CHECK_BUDGET_S, default 540 s:
 # the device tool's 10-minute command limit less a margin), so a stage that runs long cannot eat
 # the next; every stage runs whatever failed before it, summary.md is always written, and the
@@ -136,6 +136,18 @@ stage_train() {
   fi
 }
 
+stage_fsdp() {
+  # FSDP2 (fully_shard) on one rank through torchrun: native loop and accum_fused's patterns a/b/c
+  # (bytes per collective, peak memory, ms per window); its table goes into summary.md.
+  if [ "$DRY_RUN" = 1 ]; then
+    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/bench_fsdp.py --device cpu \
+      --vocab 128 --ctx 16 --d-model 32 --layers 1 --heads 2 --seq 8 -k 2 --windows 1 --json "$WORK/fsdp.json"
+  else
+    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/bench_fsdp.py --device cuda \
+      --layers 2 --windows 3 --json "$WORK/fsdp.json"
+  fi
+}
+
 find_sanitizer() {
   local c
   for c in "$(command -v compute-sanitizer)" "${CUDA_HOME:-/nonexistent}/bin/compute-sanitizer" \
@@ -171,7 +183,7 @@ stage_racecheck() {
   run_sanitized racecheck "test_window_norms or (test_accumulate and float32-unscaled)"
 }
 
-export -f stage_env stage_build stage_tests bench_args stage_bench stage_train find_sanitizer run_sanitized \
+export -f stage_env stage_build stage_tests bench_args stage_bench stage_train stage_fsdp find_sanitizer run_sanitized \
   stage_memcheck stage_racecheck
 
 # run_stage NAME CAP FLOOR_OF_LATER_STAGES: at most CAP seconds, and never so long that the later
@@ -204,17 +216,19 @@ run_stage() {
 }
 
 # Caps (s) for a real run on an H100 (expected: build ~2 min, suite ~2 min, benchmarks ~2 min,
-# sanitizers ~1.5 min). The third number is what the stages after it are guaranteed.
+# FSDP2 ~0.5 min, sanitizers ~1.5 min). The third number is what the stages after it are guaranteed.
 # The sanitizers run last: the slowest per finding, they take the time that is left.
 if [ "$DRY_RUN" = 1 ]; then
   run_stage env 30 0; run_stage build 60 0; run_stage tests 60 0; run_stage bench 60 0; run_stage train 60 0
+  run_stage fsdp 60 0
   run_stage memcheck 5 0; run_stage racecheck 5 0
 else
-  run_stage env     30  300
-  run_stage build   240 240
-  run_stage tests   180 150
-  run_stage bench   120 90
-  run_stage train   90  40
+  run_stage env     30  320
+  run_stage build   240 260
+  run_stage tests   180 170
+  run_stage bench   120 110
+  run_stage train   90  60
+  run_stage fsdp    45  20
   run_stage memcheck 90 20
   run_stage racecheck 60 0
 fi

@@ -6,7 +6,8 @@
                          half; with --cuda, fail loudly unless the cpp backend's CUDA kernels
                          load and agree with the reference on a CUDA tensor.
   report WORK OUTDIR     gather the stages' results from WORK into OUTDIR: summary.md,
-                         gpu_check.json, junit.xml, bench.json, bench.png, train.json, logs.txt
+                         gpu_check.json (holding the FSDP2 stage's fsdp.json), junit.xml, bench.json,
+                         bench.png, train.json, logs.txt
                          (7 files: the device tool brings back at most 8 of at most 16 MiB).
 
 ``report`` uses the standard library only, so a summary is written even when torch is broken.
@@ -25,7 +26,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 LOG_CAP = 3 << 20  # bytes of one stage's log kept in logs.txt (head and tail)
-STAGE_ORDER = ("env", "build", "tests", "bench", "train", "memcheck", "racecheck")
+STAGE_ORDER = ("env", "build", "tests", "bench", "train", "fsdp", "memcheck", "racecheck")
 
 
 # ------------------------------------------------------------------------------------- env
@@ -285,6 +286,24 @@ def train_section(train: dict) -> list[str]:
     return out
 
 
+def fsdp_section(fsdp: dict) -> list[str]:
+    """benchmarks/bench_fsdp.py's record: one row per pattern (per rank per window)."""
+    a = fsdp["args"]
+    out = [f"{fsdp['ranks']} rank(s), {fsdp['dist_backend']} on {fsdp['device']}; {fsdp['params'] / 1e6:.2f}M params, "
+           f"k={a['k']}, {'bf16 params / fp32 reduce' if a.get('bf16') else 'fp32'}. Bytes per rank per window, "
+           "measured (model), full message sizes; peak: " + fsdp["memory_counted_as"] + ".", "",
+           "| pattern | ms/window | peak MB | B/param | all-gather MB | reduce-scatter MB | all-reduce bytes |",
+           "|---|---|---|---|---|---|---|"]
+    for r in fsdp["rows"]:
+        b, m = r["bytes_rank0"], r["expected_bytes"]
+        ar = m["all_reduce"]
+        out.append(f"| {r['pattern']} | {r['ms_per_window']:.1f} | {fmt_bytes(r['peak_bytes_max_rank'])} | "
+                   f"{r['peak_B_per_param']:.1f} | {b.get('all_gather', 0) / 1e6:.2f} ({m['all_gather'] / 1e6:.2f}) | "
+                   f"{b.get('reduce_scatter', 0) / 1e6:.2f} ({m['reduce_scatter'] / 1e6:.2f}) | "
+                   f"{b.get('all_reduce', 0)} ({'?' if ar != ar else f'{ar:.0f}'}) |")
+    return out
+
+
 def capped(text: str, cap: int = LOG_CAP) -> str:
     if len(text) <= cap:
         return text
@@ -300,6 +319,7 @@ def report(work: Path, out: Path) -> int:
     bench_files = sorted((work / "bench").glob("bench_*.json")) if (work / "bench").is_dir() else []
     bench = read_json(bench_files[-1]) if bench_files else None
     train = read_json(work / "train.json")
+    fsdp = read_json(work / "fsdp.json")
     sanitizers = {name: {"summary": sanitizer_summary(work / f"{name}.log"), "pytest": pytest_tail(work / f"{name}.log")}
                   for name in ("memcheck", "racecheck")}
 
@@ -355,6 +375,8 @@ def report(work: Path, out: Path) -> int:
         md.append("no result (see logs.txt)")
     md += ["", "## Training benchmark (benchmarks/bench_train.py)"]
     md += train_section(train) if train else ["no result (see logs.txt)"]
+    md += ["", "## FSDP2 benchmark (benchmarks/bench_fsdp.py)"]
+    md += fsdp_section(fsdp) if fsdp else ["no result (see logs.txt)"]
     files = ["summary.md", "gpu_check.json"] + [p for p in ("junit.xml", "bench.json", "bench.png", "train.json")
                                                if (out / p).is_file()] + ["logs.txt"]
     md += ["", f"Files: {', '.join(files)}. Stage logs, in order, are in logs.txt."]
@@ -363,6 +385,7 @@ def report(work: Path, out: Path) -> int:
     record = {"env": env, "stages": stages, "failed_stages": [s["stage"] for s in failed],
               "tests": junit, "sanitizers": sanitizers, "goals": goals,
               "bench": {k: bench[k] for k in ("copy_bandwidth", "add_bandwidth", "config")} if bench else None,
+              "fsdp": fsdp,  # bench_fsdp.py's whole record (no file of its own: the device tool returns 8 at most)
               "files": files}
     (out / "gpu_check.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
     return 0

@@ -48,7 +48,7 @@ def test_dry_run(tmp_path):
 
     record = json.loads((out / "gpu_check.json").read_text())
     stages = {s["stage"]: s["status"] for s in record["stages"]}
-    assert stages == {"env": "ok", "build": "ok", "tests": "ok", "bench": "ok", "train": "ok",
+    assert stages == {"env": "ok", "build": "ok", "tests": "ok", "bench": "ok", "train": "ok", "fsdp": "ok",
                       "memcheck": "skipped", "racecheck": "skipped"}, log
     assert record["env"]["dry_run"] is True
     assert record["tests"]["failed"] == record["tests"]["errors"] == 0 and record["tests"]["passed"] > 0
@@ -58,10 +58,14 @@ def test_dry_run(tmp_path):
     assert {"native", "torch"} <= contenders
     assert all("peak_memory_bytes" in m for m in bench["measurements"])
     assert json.loads((out / "train.json").read_text())["results"]
+    fsdp = record["fsdp"]
+    assert [r["pattern"] for r in fsdp["rows"]] == ["native", "a", "b", "c"]
+    assert all(r["bytes_rank0"].get("all_reduce", 0) > 0 for r in fsdp["rows"] if r["pattern"] != "native")
 
     summary = (out / "summary.md").read_text()
     assert "**Result: all stages passed**" in summary
-    for section in ("## Tests", "## compute-sanitizer", "## Window benchmark", "## Training benchmark"):
+    for section in ("## Tests", "## compute-sanitizer", "## Window benchmark", "## Training benchmark",
+                    "## FSDP2 benchmark"):
         assert section in summary
     assert "dry run: compute-sanitizer memcheck skipped" in summary
 
