@@ -353,8 +353,6 @@ def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
         for name in names:
             for backend in backends_to_test():
                 case = f"{scenario}-{name}[{backend}]"
-                if os.environ.get("FSDP_WORKER_VERBOSE"):
-                    print(rank, case, flush=True)
                 try:
                     run(name, rank, backend, data)
                     results[case] = "ok"

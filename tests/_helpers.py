@@ -200,3 +200,39 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (+0 and -0 count as equal)."""
     assert a.dtype == b.dtype
     return (_ordered_bits16(a) - _ordered_bits16(b)).abs()
+
+
+def run_ranks(worker, out_dir, world_size: int, timeout_s: int) -> list[dict]:
+    """Start ``python WORKER RANK WORLD_SIZE PORT OUT_DIR`` for every rank (gloo on a free
+    127.0.0.1 port; tests/ on PYTHONPATH), wait, and return each rank's OUT_DIR/rank<R>.json
+    (scenario results). Fails the test on a timeout (a hung collective) or a crashed rank,
+    never leaving a rank behind."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import pytest
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(worker.parent), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, str(worker), str(rank), str(world_size), str(port), str(out_dir)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world_size)]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=timeout_s)[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the {world_size} gloo ranks did not finish within {timeout_s} s (a collective hung?)")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for rank, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{log[-4000:]}"
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]

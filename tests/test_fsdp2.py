@@ -4,9 +4,7 @@ big batch. The scenarios live in ``_fsdp_worker.py``; one pair of processes runs
 """
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,42 +17,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 from _fsdp_worker import backends_to_test, case_ids  # noqa: E402  (imports torch.distributed)
+from _helpers import run_ranks  # noqa: E402
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
 WORLD_SIZE = 2
 TIMEOUT_S = 600
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory) -> list[dict[str, str]]:
-    out = tmp_path_factory.mktemp("fsdp")
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")])}
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(rank), str(WORLD_SIZE), str(port), str(out)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in range(WORLD_SIZE)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=TIMEOUT_S)[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the two gloo ranks did not finish within {TIMEOUT_S} s (a collective hung?)")
-    finally:
-        for proc in procs:  # never leave a rank behind
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for rank, (proc, log) in enumerate(zip(procs, logs)):
-        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{log[-4000:]}"
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+    return run_ranks(WORKER, tmp_path_factory.mktemp("fsdp"), WORLD_SIZE, TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", case_ids(backends_to_test()))
