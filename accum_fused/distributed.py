@@ -16,6 +16,11 @@ Every rank then holds the same Σ wᵢgᵢ over all ranks' micro-batches and the
 update equals the single-process big batch, whatever the number and sizes of each rank's
 micro-batches. Nothing here does per-element math beyond zeroing stale buffers.
 
+in_backward mode B overlaps the reduce with the window's last backward pass, as DDP does:
+``begin_overlapped_window`` runs the metadata all-reduce when that backward starts (its weight
+is known before its gradients), ``grad_ready`` launches fixed buckets as the hooks take their
+gradients, and ``reduce_window`` at the end of backward launches the rest and waits.
+
 ``torch.distributed`` is imported lazily: importing accum_fused never needs it.
 """
 from __future__ import annotations
@@ -29,10 +34,11 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
-# DDP's 25 MiB default is sized to overlap buckets with backward; nothing overlaps here (the
-# reduce follows the window's last backward), so buckets only bound the number of calls.
-# Measured with benchmarks/bench_comm.py (2 gloo ranks, 8.4M fp32 params, k=8): 25, 64 and
-# 256 MiB within noise of each other. Not yet measured on NCCL.
+# DDP's 25 MiB default is sized to overlap buckets with backward. In the plain mode nothing
+# overlaps (the reduce follows the window's last step()), so buckets only bound the number of
+# calls: measured with benchmarks/bench_comm.py (2 gloo ranks, 8.4M fp32 params, k=8), 25, 64
+# and 256 MiB within noise of each other. in_backward mode B overlaps buckets with the last
+# backward (smaller buckets start sooner); bucket size not yet tuned for it, nor on NCCL.
 BUCKET_BYTES = 64 << 20
 # Added to a rank's weight band in the metadata all-reduce so that 0 can mean "no micro-batch".
 _BAND_OFFSET = 1 << 20
@@ -159,6 +165,19 @@ def warn_if_ddp_without_sync(owner: str, params: list[Tensor]) -> None:
             return
 
 
+class _OverlappedReduce:
+    """One window's bucket all-reduces, launched while its last backward pass runs."""
+
+    def __init__(self, total: float, live: set, buckets: list[tuple[Tensor, list[Tensor]]], expected: set):
+        self.total, self.live = total, live  # from the metadata all-reduce at the start
+        self.buckets = buckets  # (flat slice, its parameters), in launch order
+        # Per bucket, the parameters whose gradient this backward has not delivered yet. Only
+        # parameters that require grad can get one; the others do not hold their bucket back.
+        self.waiting = [{p for p in members if p in expected} for _, members in buckets]
+        self.bucket_of = {p: i for i, (_, members) in enumerate(buckets) for p in members}
+        self.works: list = []  # one per launched bucket: buckets[:len(works)] are in flight
+
+
 class WindowSync:
     """The flat accumulation buffers of one optimizer and the once-per-window reduce."""
 
@@ -170,6 +189,8 @@ class WindowSync:
         self.segments: list[tuple[Tensor, list[tuple[Tensor, int, int]]]] = []
         self.ddp_modules: list = []
         self._ddp_checked_at_sync = False
+        self._fixed: list[tuple[Tensor, list[Tensor]]] | None = None  # overlap buckets, built lazily
+        self._overlap: _OverlappedReduce | None = None  # the window whose reduce is under way
 
     def add_params(self, params: list[Tensor], buffer_dtype: Callable[[Tensor], torch.dtype]) -> None:
         """Broadcast new parameters from the first rank and give them buffers in new segments.
@@ -191,6 +212,7 @@ class WindowSync:
                 entries.append((p, start, start + p.numel()))
                 start += p.numel()
             self.segments.append((flat, entries))
+        self._fixed = None
         self.ddp_modules += take_over_from_ddp(self.owner, params)
 
     def _buckets(self, live: set) -> Iterator[Tensor]:
@@ -209,15 +231,99 @@ class WindowSync:
             if lo is not None:
                 yield flat[lo:hi]
 
+    def _fixed_buckets(self, params: list[Tensor]) -> list[tuple[Tensor, list[Tensor]]]:
+        """Every parameter's buffer, in contiguous slices of its segment of at most BUCKET_BYTES
+        (a larger parameter alone), cut from the segment's end and ordered by their last
+        parameter, last first: gradients arrive roughly in reverse parameter order (DDP's
+        assumption too). The same on every rank, which hold the same parameters in the same
+        order, so every rank launches the same collectives in the same order."""
+        if self._fixed is None:
+            position = {p: i for i, p in enumerate(params)}
+            buckets = []
+            for flat, entries in self.segments:
+                limit = max(1, BUCKET_BYTES // flat.element_size())
+                members, lo, hi = [], 0, 0
+                for p, start, end in reversed(entries):
+                    if members and hi - start > limit:
+                        buckets.append((flat[lo:hi], members))
+                        members = []
+                    if not members:
+                        hi = end
+                    lo = start
+                    members.append(p)
+                if members:
+                    buckets.append((flat[lo:hi], members))
+            buckets.sort(key=lambda bucket: -max(position[p] for p in bucket[1]))
+            self._fixed = buckets
+        return self._fixed
+
     @torch.no_grad()
-    def reduce_window(self, params: list[Tensor], local_live: set, weight_sum: float, weight_shift: int,
-                      found_inf: Tensor | None, flushing: bool) -> tuple[float, bool, set]:
-        """Collective: every rank of the group must call it once per window, with ``params`` in
-        the same order, all from step() or all from flush(). ``weight_sum`` and the buffers are
-        in units of ``2**weight_shift`` (the optimizer's weight band, see optim.py). Returns
-        (global weight total in the group's common units, any rank non-finite, globally live
-        parameters); unless non-finite, the live parameters' buffers then hold the global sums
-        in those units."""
+    def begin_overlapped_window(self, params: list[Tensor], local_live: set, weight_sum: float,
+                                weight_shift: int) -> int:
+        """Collective, at the start of the window's last backward pass (in_backward mode B), on
+        every rank: ``weight_sum`` includes that micro-batch's weight, ``local_live`` the
+        parameters live before it. Exchanges the metadata, brings the live buffers to the ranks'
+        common weight band and zeroes every other buffer, so that the backward's gradients can
+        be added in and each bucket all-reduced as soon as they all arrived (``grad_ready``).
+        Returns the common band's shift: the last micro-batch's weight must be given in it."""
+        total, _, live, common = self._exchange_metadata(params, local_live, weight_sum, weight_shift, None, False)
+        # Every bucket covers all its parameters (which ones this backward reaches is unknown
+        # until it ends), so a buffer this rank has not written this window must add zero: a
+        # parameter that some rank first reaches now then sums correctly, wherever it is live.
+        stale = [self.buffers[p] for p in params if p not in local_live]
+        if stale:
+            torch._foreach_zero_(stale)
+        if weight_shift != common and local_live:
+            torch._foreach_mul_([self.buffers[p] for p in local_live], math.ldexp(1.0, weight_shift - common))
+        expected = {p for p in params if p.requires_grad}
+        self._overlap = _OverlappedReduce(total, live, self._fixed_buckets(params), expected)
+        self._launch_ready(self._overlap)
+        return common
+
+    def grad_ready(self, p: Tensor) -> None:
+        """``p``'s gradient of the window's last backward is in its buffer: launch every bucket
+        that is complete and has no unlaunched bucket before it."""
+        ov = self._overlap
+        if ov is None:
+            return
+        index = ov.bucket_of[p]
+        if index < len(ov.works):
+            raise RuntimeError(
+                f"accum_fused: a parameter received a gradient after its bucket was all-reduced (it did not "
+                f"require grad when this {self.owner}'s last backward of the window began): keep requires_grad "
+                "unchanged between forward and backward"
+            )
+        ov.waiting[index].discard(p)
+        self._launch_ready(ov)
+
+    def _launch_ready(self, ov: _OverlappedReduce) -> None:
+        dist = _dist()
+        while len(ov.works) < len(ov.buckets) and not ov.waiting[len(ov.works)]:
+            ov.works.append(dist.all_reduce(ov.buckets[len(ov.works)][0], group=self.group, async_op=True))
+
+    def _finish_overlapped_window(self, ov: _OverlappedReduce, params: list[Tensor],
+                                  local_live: set) -> tuple[float, bool, set]:
+        """End of the window's last backward: launch the buckets whose parameters got no gradient
+        in it (in order), learn which parameters became live in it on any rank, wait."""
+        for waiting in ov.waiting:
+            waiting.clear()
+        self._launch_ready(ov)
+        works = ov.works
+        # Parameters no rank had written before this backward: live if some rank wrote one now
+        # (the same list on every rank; empty, and not sent, when all were live already).
+        unknown = [p for p in params if p not in ov.live]
+        if unknown:
+            flags = torch.tensor([float(p in local_live) for p in unknown], dtype=torch.float64).to(params[0].device)
+            works = works + [_dist().all_reduce(flags, group=self.group, async_op=True)]
+        for work in works:
+            work.wait()
+        live = ov.live | ({p for p, flag in zip(unknown, flags.tolist()) if flag > 0} if unknown else set())
+        return ov.total, False, live
+
+    def _exchange_metadata(self, params: list[Tensor], local_live: set, weight_sum: float, weight_shift: int,
+                           found_inf: Tensor | None, flushing: bool) -> tuple[float, bool, set, int]:
+        """The small fp64 all-reduce: (global weight total in the common band's units, any rank
+        non-finite, parameters live on some rank, the common band's shift)."""
         dist = _dist()
         if not self._ddp_checked_at_sync:
             # A model wrapped in DDP after this optimizer was built has been syncing every
@@ -257,13 +363,31 @@ class WindowSync:
                 "windows through per-rank accumulation_steps, and call flush() on every rank."
             )
         live = {p for p, flag in zip(params, flags) if flag > 0}
-        if non_finite > 0 or not live:
-            return total, non_finite > 0, live
+        return total, non_finite > 0, live, common
+
+    @torch.no_grad()
+    def reduce_window(self, params: list[Tensor], local_live: set, weight_sum: float, weight_shift: int,
+                      found_inf: Tensor | None, flushing: bool) -> tuple[float, bool, set]:
+        """Collective: every rank of the group must call it once per window, with ``params`` in
+        the same order, all from step() or all from flush(). ``weight_sum`` and the buffers are
+        in units of ``2**weight_shift`` (the optimizer's weight band, see optim.py). Returns
+        (global weight total in the group's common units, any rank non-finite, globally live
+        parameters); unless non-finite, the live parameters' buffers then hold the global sums
+        in those units. After ``begin_overlapped_window`` it finishes that window's reduce
+        instead (the other arguments were given there)."""
+        overlap, self._overlap = self._overlap, None
+        if overlap is not None and not flushing:  # (one left by a backward that raised is dropped)
+            return self._finish_overlapped_window(overlap, params, local_live)
+        total, non_finite, live, common = self._exchange_metadata(
+            params, local_live, weight_sum, weight_shift, found_inf, flushing)
+        if non_finite or not live:
+            return total, non_finite, live
         for p in live - local_live:
             self.buffers[p].zero_()  # stale from an earlier window; this rank adds nothing
         if weight_sum > 0 and weight_shift != common:
             # Rare: weights more than 2**32 apart between ranks. Exact (a power of two).
             torch._foreach_mul_([self.buffers[p] for p in local_live], math.ldexp(1.0, weight_shift - common))
+        dist = _dist()
         works = [dist.all_reduce(bucket, group=self.group, async_op=True) for bucket in self._buckets(live)]
         for work in works:
             work.wait()

@@ -645,6 +645,8 @@ class _AccumulatingOptimizer:
             self._backend_for(p).accumulate(grads=[_kernel_view(grad)], buffers=[_kernel_view(self._buffer(p))],
                                             weight=mb.weight, overwrite=p not in win.live)
             win.live.add(p)
+        if mb.closing and self._sync is not None:
+            self._sync.grad_ready(p)  # may launch its bucket's all-reduce while backward goes on
 
     def _can_adopt(self, p: Tensor, grad: Tensor, weight: float) -> bool:
         """Whether the first gradient of a window can be the buffer itself: the same dtype and
@@ -664,6 +666,14 @@ class _AccumulatingOptimizer:
             win.weight_shift = 0
         else:
             weight = self._enter_weight(weight)
+        if closing and self._sync is not None:
+            # The window's weights and flags are all known now: exchange them before the last
+            # gradients arrive, so that the hooks can all-reduce buckets during this backward
+            # (distributed.py). The ranks' common weight band becomes the window's.
+            shift = self._sync.begin_overlapped_window(self._all_params(), win.live, win.weight_sum + weight,
+                                                       win.weight_shift)
+            weight, win.weight_sum = (math.ldexp(x, win.weight_shift - shift) for x in (weight, win.weight_sum))
+            win.weight_shift = shift
         fold = closing and self.max_grad_norm is None and not self._spans_ranks()
         # With FSDP2, opt.backward scaled the loss by the weight: the gradients carry it.
         grad_weight = 1.0 if self._shards is not None else weight

@@ -2,35 +2,52 @@
 """Communication per accumulation window: sync once per window against an all-reduce after
 every micro-batch, data parallel over R processes (gloo on CPU, NCCL with --device cuda).
 
-Each rank holds the same parameter set (``--numel`` fp32 elements in ``--tensors`` tensors).
-A window is k micro-batches; each micro-batch "backward" writes a fresh gradient into .grad
-(a clone of pre-generated random tensors: the same work for every contender, timed as part
-of the window; autograd then accumulates it into .grad in the native loops). Contenders, taking turns window by window:
+Each rank trains the same model, an MLP of ``--layers`` Linear(--width, --width) layers with tanh
+between them (8.4M fp32 parameters in 16 tensors by default), on its own k micro-batches of
+``--batch`` rows per window (random inputs and targets, fixed per rank, mean-squared-error loss).
+Every gradient comes from a real forward and backward pass, timed as part of the window, so that
+an all-reduce overlapping backward has compute to hide behind. Contenders, taking turns window
+by window:
 
-  every_micro_batch  what DDP does without no_sync(): after every micro-batch the gradients
-                     are all-reduced (averaged) in buckets, then .grad accumulates; at the end
-                     clip_grad_norm_ and torch.optim.AdamW (fused on CUDA, foreach on CPU).
-                     k x N x 4 bytes all-reduced per window.
-  once_native        the hand-written no_sync() pattern: .grad accumulates locally, one bucketed
-                     all-reduce after the last micro-batch, clip, AdamW. N x 4 bytes.
+  every_micro_batch  what DDP does without no_sync(): after every micro-batch's backward the
+                     gradients are all-reduced (averaged) in buckets; at the end clip_grad_norm_
+                     and torch.optim.AdamW (fused on CUDA, foreach on CPU). k x N x 4 bytes
+                     all-reduced per window.
+  once_native        the hand-written no_sync() pattern: .grad accumulates locally ((loss / k)
+                     .backward()), one bucketed all-reduce after the last backward, clip, AdamW.
+                     N x 4 bytes.
+  ddp_no_sync        torch's DistributedDataParallel (bucket_cap_mb = the bucket size below):
+                     micro-batches 1..k-1 under ddp.no_sync(), the k-th backward with DDP's
+                     all-reduce overlapping it; then clip_grad_norm_, AdamW. N x 4 bytes.
   accum_fused        accum_fused.AdamW(accumulation_steps=k, max_grad_norm=1.0,
-                     process_group=...): step(weight=) per micro-batch; one small metadata
-                     all-reduce and N x 4 bytes of fp32 sums per window, in place (no bucket
-                     copies).
+                     process_group=...): loss.backward(); step(weight=1) per micro-batch; one
+                     small metadata all-reduce and N x 4 bytes of fp32 sums per window, in place,
+                     after the last step().
+  accum_fused_in_backward
+                     the same optimizer with in_backward=True: opt.backward(loss, weight=1) per
+                     micro-batch; the metadata all-reduce when the k-th backward starts and the
+                     fixed buckets all-reduced during it as their gradients arrive (overlapped,
+                     as DDP), the update at its end.
 
 Reported per contender: ms per window (median over windows; each window's time is the slowest
-rank's), bytes all-reduced per rank per window, and ms per window inside collectives (measured
-around the calls, waits included). Buckets of every contender are accum_fused's
-BUCKET_BYTES unless ``--bucket-mb`` says otherwise.
+rank's), bytes all-reduced per rank per window (counted at torch.distributed.all_reduce for all
+but ddp_no_sync, whose C++ reducer is not seen from Python: N x 4, DDP's bucket all-reduce of
+every parameter once per synced backward), and ms per window the host spent blocked in
+collectives (waits included; for accum_fused_in_backward only the part not hidden behind
+backward: the metadata all-reduce and the final wait; not measured for ddp_no_sync). Buckets of
+every contender are accum_fused's BUCKET_BYTES unless ``--bucket-mb`` says otherwise. The load
+average at start and end is recorded: other processes on the machine slow every contender.
 
 Usage (from the repository root):
   python benchmarks/bench_comm.py                       # 2 gloo ranks on this machine
-  python benchmarks/bench_comm.py --device cuda --ranks 2 --numel 67108864
+  python benchmarks/bench_comm.py --bucket-mb 4         # one 1024x1024 layer per bucket
+  python benchmarks/bench_comm.py --device cuda --ranks 2 --width 4096 --layers 4
   torchrun --nproc-per-node 2 benchmarks/bench_comm.py  # ranks started by torchrun
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -54,14 +71,14 @@ except ImportError:  # not installed: run against the checkout this script lives
 from accum_fused import distributed as af_dist
 from accum_fused.bench import cpu_model
 
-CONTENDERS = ("every_micro_batch", "once_native", "accum_fused")
+CONTENDERS = ("every_micro_batch", "once_native", "ddp_no_sync", "accum_fused", "accum_fused_in_backward")
 
 
 class CommTimer:
-    """Wall time and bytes spent in collectives (synchronising the device around them)."""
+    """Wall time spent blocked in collectives (synchronising the device around them)."""
 
     def __init__(self, device: torch.device):
-        self.device, self.seconds, self.bytes = device, 0.0, 0
+        self.device, self.seconds = device, 0.0
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -75,7 +92,34 @@ class CommTimer:
             w.wait()
         self.sync()
         self.seconds += time.perf_counter() - start
-        self.bytes += sum(b.numel() * b.element_size() for b in buckets)
+
+    def wrap(self, fn):
+        """``fn`` timed as time spent in collectives."""
+        def timed(*a, **kw):
+            self.sync()
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.sync()
+                self.seconds += time.perf_counter() - start
+        return timed
+
+
+class ByteCounter:
+    """Bytes handed to torch.distributed.all_reduce (accum_fused looks it up at each call), per
+    contender, while ``current`` names one."""
+
+    def __init__(self):
+        self.current, self.bytes = None, {}
+        inner = dist.all_reduce
+
+        def all_reduce(tensor, *a, **kw):
+            if self.current is not None:
+                self.bytes[self.current] = self.bytes.get(self.current, 0) + tensor.numel() * tensor.element_size()
+            return inner(tensor, *a, **kw)
+
+        dist.all_reduce = all_reduce
 
 
 def bucketed_all_reduce_mean(grads: list[torch.Tensor], timer: CommTimer, group, bucket_bytes: int) -> None:
@@ -89,11 +133,13 @@ def bucketed_all_reduce_mean(grads: list[torch.Tensor], timer: CommTimer, group,
             g.copy_(piece.view_as(g))
 
 
-def make_params(args, device) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(0)
-    sizes = [args.numel // args.tensors] * args.tensors
-    sizes[0] += args.numel - sum(sizes)
-    return [torch.nn.Parameter(torch.randn(n, generator=gen).to(device) * 0.02) for n in sizes]
+def make_model(args, device) -> torch.nn.Module:
+    """The same initial values on every rank and for every contender."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        layers += [torch.nn.Linear(args.width, args.width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers[:-1]).to(device)
 
 
 def run_rank(rank: int, world: int, args, port: int | None) -> None:
@@ -109,117 +155,131 @@ def run_rank(rank: int, world: int, args, port: int | None) -> None:
     else:
         torch.set_num_threads(args.threads)
         device = torch.device("cpu")
+    load_start = os.getloadavg()
     group = dist.group.WORLD
     bucket_bytes = int(args.bucket_mb * 2**20) if args.bucket_mb else af_dist.BUCKET_BYTES
     af_dist.BUCKET_BYTES = bucket_bytes
     k = args.k
 
-    # every rank: its own gradients for each micro-batch of a window (reused every window)
+    # every rank: its own k micro-batches (reused every window)
     gen = torch.Generator().manual_seed(1 + rank)
-    grads = [[torch.randn(p.shape, generator=gen).to(device) * 1e-3 for p in make_params(args, "cpu")]
-             for _ in range(k)]
-    # the native loops divide the loss by k (the tutorial's loss / k), accum_fused does not
-    native_grads = [[g / k for g in micro] for micro in grads]
+    batches = [(torch.randn(args.batch, args.width, generator=gen).to(device),
+                torch.randn(args.batch, args.width, generator=gen).to(device)) for _ in range(k)]
+    loss_fn = torch.nn.functional.mse_loss
 
     setups = {}
     for name in CONTENDERS:
-        params = make_params(args, device)
-        if name == "accum_fused":
-            opt = accum_fused.AdamW(params, lr=1e-4, accumulation_steps=k, max_grad_norm=1.0,
-                                    process_group=group)
+        model = make_model(args, device)
+        params = list(model.parameters())
+        ddp = None
+        if name.startswith("accum_fused"):
+            opt = accum_fused.AdamW(params, lr=1e-4, accumulation_steps=k, max_grad_norm=1.0, process_group=group,
+                                    in_backward=name == "accum_fused_in_backward")
         else:
             fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
             opt = torch.optim.AdamW(params, lr=1e-4, **fused)
-        setups[name] = (params, opt, CommTimer(device))
+            if name == "ddp_no_sync":
+                ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group,
+                                                                bucket_cap_mb=bucket_bytes / 2**20)
+        setups[name] = (model, params, opt, CommTimer(device), ddp)
+    numel = sum(p.numel() for p in setups["once_native"][1])
 
     def window(name: str) -> None:
-        params, opt, timer = setups[name]
-        for i in range(k):
-            for p, g in zip(params, grads[i] if name == "accum_fused" else native_grads[i]):
-                new = g.clone()  # the gradient backward produces
-                if name == "accum_fused" or i == 0:
-                    p.grad = new  # handed over as .grad
-                else:
-                    p.grad.add_(new)  # autograd's .grad += g
-            if name == "every_micro_batch":
-                # DDP reduces the .grad it is about to accumulate into; reduce the sum so far
-                # (the same bytes and calls: N x 4 per micro-batch)
-                bucketed_all_reduce_mean([p.grad for p in params], timer, group, bucket_bytes)
-            if name == "accum_fused":
+        model, params, opt, timer, ddp = setups[name]
+        for i, (x, y) in enumerate(batches):
+            if name == "accum_fused_in_backward":
+                opt.backward(loss_fn(model(x), y), weight=1.0)  # the k-th applies the update
+            elif name == "accum_fused":
+                loss_fn(model(x), y).backward()
                 opt.step(weight=1.0)
                 opt.zero_grad()
+            elif name == "ddp_no_sync":
+                with ddp.no_sync() if i < k - 1 else contextlib.nullcontext():
+                    (loss_fn(ddp(x), y) / k).backward()
+            else:
+                (loss_fn(model(x), y) / k).backward()
+                if name == "every_micro_batch":
+                    # DDP reduces each micro-batch's gradients before they join .grad; reducing
+                    # the sum so far is the same mean (ranks agree on the part already reduced)
+                    # with the same bytes and calls: N x 4 per micro-batch
+                    bucketed_all_reduce_mean([p.grad for p in params], timer, group, bucket_bytes)
         if name == "once_native":
             bucketed_all_reduce_mean([p.grad for p in params], timer, group, bucket_bytes)
-        if name != "accum_fused":
+        if not name.startswith("accum_fused"):
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             opt.zero_grad()
 
-    # time accum_fused's collectives: wrap its reduce
-    params, opt, af_timer = setups["accum_fused"]
-    inner_reduce = opt._sync.reduce_window
-
-    def timed_reduce(*a, **kw):
-        af_timer.sync()
-        start = time.perf_counter()
-        out = inner_reduce(*a, **kw)
-        af_timer.sync()
-        af_timer.seconds += time.perf_counter() - start
-        af_timer.bytes += 8 * (2 + len(params)) + (4 * args.numel if not out[1] else 0)
-        return out
-
-    opt._sync.reduce_window = timed_reduce
+    # accum_fused's time blocked in collectives: the reduce at the window's end (for in_backward
+    # mode B also the metadata all-reduce at the start of the last backward)
+    for name in ("accum_fused", "accum_fused_in_backward"):
+        _, _, opt, timer, _ = setups[name]
+        opt._sync.reduce_window = timer.wrap(opt._sync.reduce_window)
+        opt._sync.begin_overlapped_window = timer.wrap(opt._sync.begin_overlapped_window)
+    counter = ByteCounter()
 
     times = {name: [] for name in CONTENDERS}
     for round_ in range(args.warmup + args.windows):
-        order = CONTENDERS[round_ % 3:] + CONTENDERS[:round_ % 3]
+        shift = round_ % len(CONTENDERS)
+        order = CONTENDERS[shift:] + CONTENDERS[:shift]
         for name in order:
-            timer = setups[name][2]
+            timer = setups[name][3]
             if round_ == args.warmup:
-                timer.seconds, timer.bytes = 0.0, 0
+                timer.seconds, counter.bytes[name] = 0.0, 0
             dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
+            counter.current = name
             window(name)
+            counter.current = None
             if device.type == "cuda":
                 torch.cuda.synchronize()
             slowest = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if round_ >= args.warmup:
                 times[name].append(slowest.item())
+    load_end = os.getloadavg()
 
-    # sanity: accum_fused and once_native compute the same update on every rank
-    a, b = setups["accum_fused"][0], setups["once_native"][0]
-    max_diff = max((x - y).abs().max().item() for x, y in zip(a, b))
+    # sanity: every contender computes the same update on every rank
+    ref = setups["once_native"][1]
+    max_diff = {name: max((x - y).abs().max().item() for x, y in zip(setups[name][1], ref)) for name in CONTENDERS}
 
     if rank == 0:
         base = statistics.median(times["every_micro_batch"])
         rows = []
         for name in CONTENDERS:
-            timer = setups[name][2]
+            timer = setups[name][3]
             ms = statistics.median(times[name]) * 1e3
+            measured = name != "ddp_no_sync"
             rows.append({
                 "contender": name, "ms_per_window": ms, "ratio_to_every_micro_batch": ms / (base * 1e3),
-                "allreduce_MB_per_window_per_rank": timer.bytes / args.windows / 1e6,
-                "comm_ms_per_window": timer.seconds / args.windows * 1e3,
+                "allreduce_MB_per_window_per_rank": (counter.bytes[name] / args.windows if measured else 4 * numel) / 1e6,
+                "allreduce_bytes_counted": measured,
+                "comm_ms_per_window": timer.seconds / args.windows * 1e3 if measured else None,
+                "max_param_diff_vs_once_native": max_diff[name],
                 "all_ms": [t * 1e3 for t in times[name]],
             })
-        print(f"{world} ranks, {dist.get_backend()} on {device}, {args.numel:,} fp32 params in {args.tensors} tensors, "
-              f"k={k}, buckets {bucket_bytes / 2**20:g} MiB, {args.windows} windows")
-        print(f"{'contender':<18} {'ms/window':>10} {'ratio':>7} {'MB all-reduced':>15} {'comm ms':>9}")
+        print(f"{world} ranks, {dist.get_backend()} on {device}, MLP {args.layers} x Linear({args.width}, {args.width}): "
+              f"{numel:,} fp32 params, {args.batch} rows per micro-batch, k={k}, buckets {bucket_bytes / 2**20:g} MiB, "
+              f"{args.windows} windows, {args.threads} thread(s) per rank, load average {load_start[0]:.2f} -> "
+              f"{load_end[0]:.2f}")
+        print(f"{'contender':<24} {'ms/window':>10} {'ratio':>7} {'MB all-reduced':>15} {'comm ms':>9} {'max diff':>9}")
         for r in rows:
-            print(f"{r['contender']:<18} {r['ms_per_window']:>10.1f} {r['ratio_to_every_micro_batch']:>7.3f} "
-                  f"{r['allreduce_MB_per_window_per_rank']:>15.1f} {r['comm_ms_per_window']:>9.1f}")
-        print(f"max |param(accum_fused) - param(once_native)| after the run: {max_diff:.2e}")
+            comm = "-" if r["comm_ms_per_window"] is None else f"{r['comm_ms_per_window']:.1f}"
+            mb = f"{r['allreduce_MB_per_window_per_rank']:.1f}" + ("" if r["allreduce_bytes_counted"] else "*")
+            print(f"{r['contender']:<24} {r['ms_per_window']:>10.1f} {r['ratio_to_every_micro_batch']:>7.3f} "
+                  f"{mb:>15} {comm:>9} {r['max_param_diff_vs_once_native']:>9.1e}")
+        print("* not counted (DDP's C++ reducer): N x 4 bytes per window; max diff: |param - once_native's| after the run")
         if args.json:
             record = {
                 "benchmark": "bench_comm", "date": _dt.datetime.now().isoformat(timespec="seconds"),
-                "command": " ".join(sys.argv), "args": vars(args), "ranks": world,
+                "command": " ".join(sys.argv), "args": vars(args), "ranks": world, "numel": numel,
                 "dist_backend": dist.get_backend(), "bucket_bytes": bucket_bytes,
                 "device": torch.cuda.get_device_name() if device.type == "cuda" else cpu_model(),
-                "cpu_count": os.cpu_count(), "torch": torch.__version__, "accum_fused": accum_fused.__version__,
-                "python": platform.python_version(), "max_param_diff_vs_once_native": max_diff, "rows": rows,
+                "cpu_count": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": load_end,
+                "torch": torch.__version__, "accum_fused": accum_fused.__version__,
+                "python": platform.python_version(), "rows": rows,
             }
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(record, indent=1))
@@ -231,8 +291,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--ranks", type=int, default=2, help="processes to start (ignored under torchrun)")
-    parser.add_argument("--numel", type=int, default=8 * 2**20)
-    parser.add_argument("--tensors", type=int, default=40)
+    parser.add_argument("--width", type=int, default=1024, help="features of each Linear layer")
+    parser.add_argument("--layers", type=int, default=8, help="Linear layers (weight and bias: 2 tensors each)")
+    parser.add_argument("--batch", type=int, default=16, help="rows per micro-batch")
     parser.add_argument("-k", type=int, default=8, help="micro-batches per window")
     parser.add_argument("--windows", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)

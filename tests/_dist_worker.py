@@ -290,6 +290,125 @@ def in_backward_big_batch(name, rank, backend, group, data):
     check_ranks_identical(list(model.parameters()))
 
 
+class CollectiveLog:
+    """Records, in order, every torch.distributed.all_reduce (distributed.py looks it up at each
+    call) as ("all_reduce", numel, dtype, async_op), and whatever else a test appends."""
+
+    def __init__(self):
+        self.events: list[tuple] = []
+
+    def __enter__(self):
+        self._inner = dist.all_reduce
+
+        def all_reduce(tensor, *args, async_op=False, **kwargs):
+            self.events.append(("all_reduce", tensor.numel(), tensor.dtype, async_op))
+            return self._inner(tensor, *args, async_op=async_op, **kwargs)
+
+        dist.all_reduce = all_reduce
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self._inner
+
+    def buckets(self) -> list[tuple]:
+        """The fp32 bucket all-reduces (the metadata and live flags are fp64)."""
+        return [e for e in self.events if e[0] == "all_reduce" and e[2] == torch.float32]
+
+
+class small_buckets:
+    """BUCKET_BYTES of 64: each of Net's six parameters gets a bucket of its own (aux.bias 8 B,
+    aux.weight 64 B, head.bias 12 B, ...), so the overlapped reduce launches six in turn."""
+
+    def __enter__(self):
+        self._saved = accum_fused.distributed.BUCKET_BYTES
+        accum_fused.distributed.BUCKET_BYTES = 64
+
+    def __exit__(self, *exc):
+        accum_fused.distributed.BUCKET_BYTES = self._saved
+
+
+def _with_aux(data, uses_aux):
+    """``data`` with the aux head used where ``uses_aux(window, rank, i)``."""
+    return [[[(x, y, uses_aux(window, rank, i)) for i, (x, y, _) in enumerate(batches)]
+             for window, batches in enumerate(rank_data)] for rank, rank_data in enumerate(data)]
+
+
+def _overlapped_equals_plain_and_big_batch(name, rank, backend, group, data, scale):
+    """in_backward mode B (buckets all-reduced during the window's last backward, six buckets)
+    against the plain mode's reduce after the last step() on the same data and weights: equal
+    (bit for bit on the reference backend) and both the single-process big batch. The aux head
+    tests the live flags: window 0 only rank 0's first micro-batch uses it (live, but no gradient
+    in either rank's last backward: its bucket is launched at the end of backward, and rank 1's
+    buffer must add zero); window 1 only rank 1's last micro-batch (live on no rank when that
+    backward starts; rank 0's buffer is stale from window 0); window 2 nobody (left alone); the
+    partial window 3 rank 0 (flush)."""
+    data = _with_aux(data, lambda window, r, i: (window, r, i) in {(0, 0, 0), (1, 1, 1), (3, 0, 0)})
+    make, make_torch, clip = OPTIMIZERS[name]
+    results = {}
+    with small_buckets():
+        for mode in ("plain", "in_backward"):
+            model = Net(seed=100 + rank)
+            opt = make(model.parameters(), accumulation_steps=STEPS_PER_RANK[rank], process_group=group,
+                       backend=backend, in_backward=mode == "in_backward")
+            for window in range(FULL_WINDOWS):
+                with CollectiveLog() as log:
+                    train(model, opt, data[rank][window], weight_scale=scale[rank])
+                assert opt.updated and opt.update_count == window + 1, (mode, opt.updated, opt.update_count)
+                if mode == "in_backward":
+                    # fixed buckets: all parameters, every window, whichever are live
+                    sizes = [e[1] for e in log.buckets()]
+                    assert len(sizes) >= 3 and sum(sizes) == sum(p.numel() for p in model.parameters()), sizes
+            train(model, opt, data[rank][FULL_WINDOWS], weight_scale=scale[rank])
+            assert opt.flush() is True
+            results[mode] = [p.detach().clone() for p in model.parameters()]
+            check_close(results[mode], reference_params(make_torch, data, clip, rank_scale=scale), f"{name} {mode}")
+            check_ranks_identical(results[mode])
+    for i, (a, b) in enumerate(zip(results["in_backward"], results["plain"])):
+        if backend == "torch":
+            assert torch.equal(a, b), f"param {i}: overlapped differs from plain by {(a - b).abs().max().item()}"
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=lambda m: f"param {i}: {m}")
+
+
+def in_backward_overlapped(name, rank, backend, group, data):
+    _overlapped_equals_plain_and_big_batch(name, rank, backend, group, data, scale=(1.0, 1.0))
+
+
+def in_backward_overlapped_bands(name, rank, backend, group, data):
+    """As in_backward_overlapped, rank 0's weights 2**40 times rank 1's: rank 1's buffers move to
+    rank 0's weight band when the last backward starts, before any bucket is sent."""
+    _overlapped_equals_plain_and_big_batch(name, rank, backend, group, data, scale=(2.0**40, 1.0))
+
+
+def in_backward_overlaps_backward(name, rank, backend, group, data):
+    """The all-reduce really overlaps the window's last backward: buckets of the head's and aux's
+    parameters are launched before the body's gradients are taken (the body's hooks, registered
+    after the optimizer's, have not all run yet); earlier micro-batches send nothing."""
+    data = _with_aux(data, lambda window, r, i: True)  # aux's bucket (launched first) is not held back
+    model = Net(seed=100 + rank)
+    make, make_torch, clip = OPTIMIZERS[name]
+    with small_buckets(), CollectiveLog() as log:
+        opt = make(model.parameters(), accumulation_steps=STEPS_PER_RANK[rank], process_group=group,
+                   backend=backend, in_backward=True)
+        for p in model.body.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: log.events.append(("body hook",)))
+        for window in range(FULL_WINDOWS):
+            for i, batch in enumerate(data[rank][window]):
+                del log.events[:]
+                opt.backward(micro_loss(model, batch), weight=len(batch[0]))
+                collectives = [e for e in log.events if e[0] == "all_reduce"]
+                if i + 1 < STEPS_PER_RANK[rank]:
+                    assert not collectives and not opt.updated, log.events
+                    continue
+                assert opt.updated, window
+                last_body_hook = max(j for j, e in enumerate(log.events) if e[0] == "body hook")
+                first_bucket = log.events.index(log.buckets()[0])
+                assert first_bucket < last_body_hook, log.events
+    full_windows = [rank_data[:FULL_WINDOWS] for rank_data in data]
+    check_close(list(model.parameters()), reference_params(make_torch, full_windows, clip), name)
+    check_ranks_identical(list(model.parameters()))
+
+
 def weight_bands_differ(name, rank, backend, group, data):
     """Rank 0's weights are 1e12 times rank 1's (another 2**32 band): the sums are brought to
     common units before the all-reduce, and the result is still the weighted big batch."""
@@ -314,6 +433,9 @@ SCENARIOS = {
     "mismatched_windows": (mismatched_windows, ["SGD-nesterov"]),
     "in_backward_big_batch": (in_backward_big_batch, ["SGD-nesterov", "AdamW-clip"]),
     "weight_bands_differ": (weight_bands_differ, ["AdamW-clip"]),
+    "in_backward_overlapped": (in_backward_overlapped, ["SGD-nesterov", "AdamW-clip"]),
+    "in_backward_overlapped_bands": (in_backward_overlapped_bands, ["SGD-nesterov", "AdamW-clip"]),
+    "in_backward_overlaps_backward": (in_backward_overlaps_backward, ["SGD-nesterov"]),
 }
 
 
