@@ -7,8 +7,6 @@ checks of the argument (bad groups, pickling) are at the bottom.
 from __future__ import annotations
 
 import copy
-import json
-import os
 import pickle
 import socket
 import subprocess
@@ -21,6 +19,7 @@ import torch
 import accum_fused
 
 from _dist_worker import backends_to_test, case_ids
+from _helpers import run_ranks
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 WORLD_SIZE = 2
@@ -39,28 +38,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory) -> list[dict[str, str]]:
-    out = tmp_path_factory.mktemp("dist")
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")])}
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(rank), str(WORLD_SIZE), str(port), str(out)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in range(WORLD_SIZE)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=TIMEOUT_S)[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the two gloo ranks did not finish within {TIMEOUT_S} s (a collective hung?)")
-    finally:
-        for proc in procs:  # never leave a rank behind
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for rank, (proc, log) in enumerate(zip(procs, logs)):
-        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{log[-4000:]}"
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+    return run_ranks(WORKER, tmp_path_factory.mktemp("dist"), WORLD_SIZE, TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", case_ids(backends_to_test()))
