@@ -77,7 +77,10 @@ def _called_from_torch_checkpoint(function: str) -> bool:
     """Whether torch.distributed.checkpoint.state_dict's ``function`` is on the call stack (a
     few frames up). Its get/set_optimizer_state_dict call step() with zero gradients and lr 0
     to create state (``_init_optim_state``), which must not count as a micro-batch, and keep
-    only "state" and "param_groups" of state_dict() (``_get_optim_state_dict``)."""
+    only "state" and "param_groups" of state_dict() (``_get_optim_state_dict``). step() asks
+    every micro-batch: without that module imported, no stack is walked."""
+    if "torch.distributed.checkpoint.state_dict" not in sys.modules:
+        return False
     frame = sys._getframe(2)
     for _ in range(8):
         if frame is None:

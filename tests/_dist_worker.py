@@ -14,10 +14,7 @@ partial (rank 0 has one micro-batch, rank 1 none) and closed with flush().
 from __future__ import annotations
 
 import io
-import json
-import os
 import sys
-import traceback
 import warnings
 
 import torch
@@ -25,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import accum_fused
+from _helpers import run_worker_cases, worker_case_ids
 
 STEPS_PER_RANK = (3, 2)  # accumulation_steps of rank 0 and rank 1
 FULL_WINDOWS = 3
@@ -440,31 +438,14 @@ SCENARIOS = {
 
 
 def case_ids(backends) -> list[str]:
-    return [f"{scenario}-{name}[{backend}]" for scenario, (_, names) in SCENARIOS.items()
-            for name in names for backend in backends]
-
-
-def backends_to_test() -> list[str]:
-    return [b for b in ("torch", "cpp", "triton") if b in accum_fused.available_backends()]
+    return worker_case_ids(SCENARIOS, backends)
 
 
 def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     group = dist.new_group(list(range(world_size)))  # not WORLD: exercise group-rank mapping
     data = make_data()
-    results = {}
-    for scenario, (run, names) in SCENARIOS.items():
-        for name in names:
-            for backend in backends_to_test():
-                case = f"{scenario}-{name}[{backend}]"
-                try:
-                    run(name, rank, backend, group, data)
-                    results[case] = "ok"
-                except Exception:  # recorded per case; the ranks stay in step (same code path)
-                    results[case] = traceback.format_exc()
-                dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    run_worker_cases(SCENARIOS, rank, out_dir, lambda run, name, backend: run(name, rank, backend, group, data))
     dist.destroy_process_group()
 
 

@@ -12,11 +12,9 @@ mean), windows of K=3, two full windows and a partial one closed with flush().
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -26,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import accum_fused
+from _helpers import run_worker_cases, worker_case_ids
 
 K = 3
 CLIP = 0.5
@@ -336,31 +335,14 @@ SCENARIOS = {
 
 
 def case_ids(backends) -> list[str]:
-    return [f"{scenario}-{name}[{backend}]" for scenario, (_, names) in SCENARIOS.items()
-            for name in names for backend in backends]
-
-
-def backends_to_test() -> list[str]:
-    return [b for b in ("torch", "cpp", "triton") if b in accum_fused.available_backends()]
+    return worker_case_ids(SCENARIOS, backends)
 
 
 def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     os.environ["DCP_RUN"] = str(port)  # checkpoint directories of concurrent runs do not collide
     data = make_data()
-    results = {}
-    for scenario, (run, names) in SCENARIOS.items():
-        for name in names:
-            for backend in backends_to_test():
-                case = f"{scenario}-{name}[{backend}]"
-                try:
-                    run(name, rank, backend, data)
-                    results[case] = "ok"
-                except Exception:  # recorded per case; the ranks stay in step (same code path)
-                    results[case] = traceback.format_exc()
-                dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    run_worker_cases(SCENARIOS, rank, out_dir, lambda run, name, backend: run(name, rank, backend, data))
     dist.destroy_process_group()
 
 

@@ -236,3 +236,39 @@ def run_ranks(worker, out_dir, world_size: int, timeout_s: int) -> list[dict]:
     for rank, (proc, log) in enumerate(zip(procs, logs)):
         assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{log[-4000:]}"
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def worker_backends() -> list[str]:
+    """The backends a two-rank worker runs every scenario on: those that load here."""
+    return [b for b in ("torch", "cpp", "triton") if b in accum_fused.available_backends()]
+
+
+def worker_case_ids(scenarios: dict, backends) -> list[str]:
+    """"<scenario>-<name>[<backend>]" for every case of a worker's ``scenarios``
+    ({scenario: (run, [names])}), in the order the worker runs them."""
+    return [f"{scenario}-{name}[{backend}]" for scenario, (_, names) in scenarios.items()
+            for name in names for backend in backends]
+
+
+def run_worker_cases(scenarios: dict, rank: int, out_dir: str, call) -> None:
+    """One rank's side of run_ranks: ``call(run, name, backend)`` for every case, recording
+    "ok" or the traceback (the ranks stay in step: the same code path, a barrier after each
+    case), then OUT_DIR/rank<RANK>.json."""
+    import json
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    results = {}
+    for scenario, (run, names) in scenarios.items():
+        for name in names:
+            for backend in worker_backends():
+                try:
+                    call(run, name, backend)
+                    results[f"{scenario}-{name}[{backend}]"] = "ok"
+                except Exception:
+                    results[f"{scenario}-{name}[{backend}]"] = traceback.format_exc()
+                dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)

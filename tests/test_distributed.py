@@ -18,8 +18,8 @@ import torch
 
 import accum_fused
 
-from _dist_worker import backends_to_test, case_ids
-from _helpers import run_ranks
+from _dist_worker import case_ids
+from _helpers import run_ranks, worker_backends
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 WORLD_SIZE = 2
@@ -41,7 +41,7 @@ def rank_results(tmp_path_factory) -> list[dict[str, str]]:
     return run_ranks(WORKER, tmp_path_factory.mktemp("dist"), WORLD_SIZE, TIMEOUT_S)
 
 
-@pytest.mark.parametrize("case", case_ids(backends_to_test()))
+@pytest.mark.parametrize("case", case_ids(worker_backends()))
 def test_two_ranks(rank_results, case):
     for rank, results in enumerate(rank_results):
         assert case in results, f"rank {rank} did not run {case}"

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="this PyTorch build has no torch.distributed"
 )
 
-from _fsdp_worker import backends_to_test, case_ids  # noqa: E402  (imports torch.distributed)
-from _helpers import run_ranks  # noqa: E402
+from _fsdp_worker import case_ids  # noqa: E402  (imports torch.distributed)
+from _helpers import run_ranks, worker_backends  # noqa: E402
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
 WORLD_SIZE = 2
@@ -29,7 +29,7 @@ def rank_results(tmp_path_factory) -> list[dict[str, str]]:
     return run_ranks(WORKER, tmp_path_factory.mktemp("fsdp"), WORLD_SIZE, TIMEOUT_S)
 
 
-@pytest.mark.parametrize("case", case_ids(backends_to_test()))
+@pytest.mark.parametrize("case", case_ids(worker_backends()))
 def test_two_ranks(rank_results, case):
     for rank, results in enumerate(rank_results):
         assert case in results, f"rank {rank} did not run {case}"

@@ -18,7 +18,7 @@ from torch import nn
 
 import accum_fused
 
-from _helpers import (KERNEL_VS_TORCH_TOLERANCE, OPTIMIZERS, all_params, assert_matches_torch, assert_params_changed,
+from _helpers import (KERNEL_VS_TORCH_TOLERANCE, OPTIMIZERS, assert_matches_torch, assert_params_changed,
                       assert_params_close, assert_params_equal, assert_unchanged, loss_of, make_batches, make_model,
                       save_load, snapshot)
 
