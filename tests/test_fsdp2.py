@@ -48,3 +48,34 @@ def test_readme_fsdp2_example_runs():
         pytest.fail("the FSDP2 example did not finish within 300 s")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert ": OK" in proc.stdout, proc.stdout
+
+
+def test_layouts_other_than_fsdp2_are_refused():
+    """HSDP / tensor-parallel meshes (2-D) and Replicate placements raise at construction,
+    naming what is unsupported (a one-process gloo group in a fresh interpreter)."""
+    script = """
+import socket, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+import accum_fused
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+cases = {
+    "2-D device mesh": (init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")), [Replicate(), Shard(0)]),
+    "placements other than Shard": (init_device_mesh("cpu", (1,)), [Replicate()]),
+}
+for expected, (mesh, placements) in cases.items():
+    param = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, placements))
+    try:
+        accum_fused.AdamW([param])
+    except NotImplementedError as exc:
+        assert expected in str(exc), exc
+    else:
+        raise AssertionError(expected + " accepted")
+dist.destroy_process_group()
+print("refused")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and "refused" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
