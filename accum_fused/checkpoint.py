@@ -1,0 +1,260 @@
+"""Checkpoints of an open window: state_dict, load_state_dict, pickling, DCP frames.
+
+Owns: the ``"accumulation"`` entry of ``state_dict()`` (the open window's buffers by parameter
+index, counters, GradScaler flag) and its check and restore on load; the FSDP2 layout, where the
+window rides inside "state" and "param_groups" because torch.distributed.checkpoint keeps only
+those; loading a plain torch.optim state_dict (migration: the window starts empty, state is
+widened to fp32); what ``copy.deepcopy`` / ``pickle`` keep and refuse; recognising
+torch.distributed.checkpoint's own calls (``called_from_torch_checkpoint``).
+
+Must not: change what an update computes; every layout here round-trips bit-exactly, and a
+checkpoint is checked against the optimizer before anything is loaded.
+"""
+from __future__ import annotations
+
+import sys
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .layout import is_dtensor, state_dtype
+
+# What deepcopy / pickle keep besides torch's defaults / state / param_groups.
+ACCUMULATION_ATTRS = ("accumulation_steps", "max_grad_norm", "backend", "_window", "process_group",
+                      "in_backward", "_hook_handles")
+
+
+def called_from_torch_checkpoint(function: str) -> bool:
+    """Whether torch.distributed.checkpoint.state_dict's ``function`` is on the call stack (a
+    few frames up). Its get/set_optimizer_state_dict call step() with zero gradients and lr 0
+    to create state (``_init_optim_state``), which must not count as a micro-batch, and keep
+    only "state" and "param_groups" of state_dict() (``_get_optim_state_dict``). step() asks
+    every micro-batch: without that module imported, no stack is walked."""
+    if "torch.distributed.checkpoint.state_dict" not in sys.modules:
+        return False
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == function and code.co_filename.replace("\\", "/").endswith("checkpoint/state_dict.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+# ------------------------------------------------------------------------- copy / pickle
+def refuse_copy(opt) -> None:
+    """deepcopy / pickle keep the open window, but not hooks on a model or a live process group."""
+    if getattr(opt, "in_backward", False):
+        raise TypeError(
+            f"a {type(opt).__name__} with in_backward=True cannot be pickled or deep-copied (its hooks live on "
+            "the model's parameters); save and load its state_dict() instead"
+        )
+    if opt._window.sync is not None:
+        raise TypeError(
+            f"a {type(opt).__name__} with a process_group cannot be pickled or deep-copied (a process "
+            "group is a live connection); save and load its state_dict() instead"
+        )
+
+
+def restore_defaults(attrs: dict[str, Any]) -> None:
+    """Attributes an optimizer pickled by an older version lacks."""
+    attrs.setdefault("process_group", None)
+    attrs.setdefault("in_backward", False)
+    attrs.setdefault("_hook_handles", [])
+
+
+# ------------------------------------------------------------------------------ saving
+def state_dict(opt, torch_state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``torch_state_dict`` (torch's, or a wrapped optimizer's) plus the open window: as the
+    ``"accumulation"`` entry, or, with FSDP2 parameters, inside "state" and "param_groups"."""
+    state_dict = {**torch_state_dict, "accumulation": accumulation_entry(opt)}
+    win = opt._window
+    if win.shards is not None:
+        return _window_inside_state(opt, state_dict)
+    if win.micro_step > 0 and called_from_torch_checkpoint("_get_optim_state_dict"):
+        raise RuntimeError(
+            f"torch.distributed.checkpoint's get_optimizer_state_dict keeps only 'state' and 'param_groups' of "
+            f"{type(opt).__name__}.state_dict(), so this open window ({win.micro_step} micro-batches) "
+            "would be lost: save at a window boundary (after the update or flush()), or save opt.state_dict() "
+            "itself (torch.save)"
+        )
+    return state_dict
+
+
+def accumulation_entry(opt) -> dict[str, Any]:
+    win = opt._window
+    index = {p: i for i, p in enumerate(opt._all_params())}
+    return {
+        "accumulation_steps": opt.accumulation_steps,
+        "micro_step": win.micro_step,
+        "weight_sum": win.weight_sum,
+        "weight_shift": win.weight_shift,
+        "update_count": win.update_count,
+        "updated": win.updated,
+        "found_inf": win.found_inf,
+        "last_grad_norm": win.last_grad_norm,
+        "late_weights": list(win.late_weights),
+        "grads_held": win.grads_held,
+        "buffers": {index[p]: win.buffers[p] for p in win.live},
+    }
+
+
+def _window_inside_state(opt, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """FSDP2 users checkpoint with torch.distributed.checkpoint (get/set_optimizer_state_dict,
+    dcp.save/load), which keeps only "state" and "param_groups". So the window rides there:
+    each parameter's buffer as "accumulation_buffer" in its state (a DTensor, saved sharded;
+    for every parameter, so that a fresh optimizer's state_dict is a load template for any
+    checkpoint), whether it is live as "accumulation_live", and the counters as the first
+    group's "accumulation". load_state_dict takes them back out."""
+    win = opt._window
+    if win.grads_held:
+        raise RuntimeError(
+            "FSDP2 holds gradients of this open window (set_requires_gradient_sync(False)), which no checkpoint "
+            "saves: checkpoint at a window boundary (after the update or flush())"
+        )
+    entry = state_dict.pop("accumulation")
+    state = dict(state_dict["state"])
+    for index, p in enumerate(opt._all_params()):
+        if p.requires_grad:
+            state[index] = {**state.get(index, {}), "accumulation_buffer": win.buffer(p),
+                            "accumulation_live": torch.tensor(float(index in entry["buffers"]))}
+    # The counters every rank shares as plain numbers: DCP saves a group's values as bytes
+    # (once, not per rank), and a load template (a fresh optimizer's, whose norm is None)
+    # must have the same kind of entry as the checkpoint. The rank's own weights as a
+    # DTensor with one shard per rank, [weight sum, then (given, weight) per micro-batch].
+    local = [entry.pop("weight_sum")]
+    for weight in entry.pop("late_weights") + [None] * (opt.accumulation_steps - len(win.late_weights)):
+        local += [0.0, 0.0] if weight is None else [1.0, weight]
+    del entry["grads_held"]  # False: refused above
+    from torch.distributed.tensor import DTensor, Shard
+    mesh = win.shards.mesh
+    entry["rank_weights"] = DTensor.from_local(
+        torch.tensor(local, dtype=torch.float64, device=mesh.device_type), mesh, [Shard(0)], run_check=False)
+    groups = [dict(group) for group in state_dict["param_groups"]]
+    groups[0]["accumulation"] = {key: value.item() if isinstance(value, Tensor) and not is_dtensor(value) else value
+                                 for key, value in entry.items() if key != "buffers"}
+    return {**state_dict, "state": state, "param_groups": groups}
+
+
+# ----------------------------------------------------------------------------- loading
+def _window_out_of_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The inverse of _window_inside_state: (state_dict as torch.optim has it, the
+    "accumulation" entry), or the state_dict unchanged and None when it carries no window."""
+    groups = state_dict.get("param_groups") or [{}]
+    if "accumulation" not in groups[0]:
+        return state_dict, None
+    groups = [dict(group) for group in groups]
+    entry = {**groups[0].pop("accumulation"), "buffers": {}}
+    for key in ("found_inf", "last_grad_norm"):
+        if entry.get(key) is not None:
+            entry[key] = torch.tensor(entry[key], dtype=torch.float32)
+    local = entry.pop("rank_weights").to_local().tolist()
+    entry["weight_sum"] = local[0]
+    entry["late_weights"] = [weight if given else None for given, weight in zip(local[1::2], local[2::2])]
+    del entry["late_weights"][entry["micro_step"]:]
+    state = {}
+    for index, saved in state_dict["state"].items():
+        saved = dict(saved)
+        buffer, live = saved.pop("accumulation_buffer", None), saved.pop("accumulation_live", None)
+        if live is not None and float(live) > 0:
+            entry["buffers"][index] = buffer
+        if saved:
+            state[index] = saved
+    return {**state_dict, "state": state, "param_groups": groups}, entry
+
+
+def split_accumulation_entry(opt, state_dict: dict[str, Any]):
+    """(state_dict without "accumulation", that entry or None, {saved param id: param}),
+    the entry checked against ``opt`` before anything is loaded."""
+    state_dict = dict(state_dict)
+    accumulation = state_dict.pop("accumulation", None)
+    if accumulation is None:
+        state_dict, accumulation = _window_out_of_state(state_dict)
+    saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+    params = opt._all_params()
+    by_id = dict(zip(saved_ids, params)) if len(saved_ids) == len(params) else {}
+    if accumulation is not None:
+        _check_accumulation_entry(opt, accumulation, by_id)
+    return state_dict, accumulation, by_id
+
+
+def _check_accumulation_entry(opt, accumulation: dict[str, Any], by_id: dict) -> None:
+    micro_step = accumulation["micro_step"]
+    if not 0 <= micro_step < opt.accumulation_steps:
+        raise ValueError(
+            f"checkpoint holds an open window of {micro_step} micro-batches, which does not fit "
+            f"accumulation_steps={opt.accumulation_steps} of this optimizer"
+        )
+    for param_id, saved in accumulation["buffers"].items():
+        p = by_id.get(param_id)
+        if p is None or saved.shape != p.shape:
+            raise ValueError(f"checkpoint's accumulation buffer {param_id} does not match this optimizer's parameters")
+
+
+def load_state_dict(opt, state_dict: dict[str, Any], torch_load) -> None:
+    """SGD/Adam/AdamW: load our own state_dict (resuming mid-window exactly) or a torch.optim
+    one of the same class, through ``torch_load`` (torch.optim.Optimizer.load_state_dict).
+
+    torch's load_state_dict runs as it is, so load_state_dict pre and post hooks see and
+    change exactly what they do on torch.optim; torch casts floating state to the parameter
+    dtype, so for reduced-precision parameters the wide state is put back from the loaded
+    values (by a post hook that runs before the user's)."""
+    torch_state_dict, accumulation, by_id = split_accumulation_entry(opt, state_dict)
+    if "accumulation" in state_dict:
+        torch_state_dict = state_dict  # torch ignores the entry; hooks see it as saved
+    loaded = {}
+
+    def capture(optimizer, final_state_dict):  # registered last: sees the user's pre hooks' result
+        loaded["state_dict"] = final_state_dict
+
+    def keep_state_wide(optimizer):  # registered first: runs before the user's post hooks
+        final = loaded["state_dict"]
+        saved_ids = chain.from_iterable(g["params"] for g in final["param_groups"])
+        for param_id, p in zip(saved_ids, opt._all_params()):
+            entry, p_state = final["state"].get(param_id), opt.state.get(p)
+            if not isinstance(entry, dict) or not isinstance(p_state, dict):
+                continue
+            for key in opt._wide_state_keys:
+                if isinstance(entry.get(key), Tensor) and key in p_state:
+                    p_state[key] = entry[key].to(device=p.device, dtype=state_dtype(p))
+            step = p_state.get("step")
+            if isinstance(step, Tensor) and step.device.type != "cpu":
+                p_state["step"] = step.cpu()  # read every update: keep it off the device
+
+    pre = opt.register_load_state_dict_pre_hook(capture)
+    post = opt.register_load_state_dict_post_hook(keep_state_wide, prepend=True)
+    try:
+        torch_load(torch_state_dict)  # validates groups first
+    finally:
+        pre.remove()
+        post.remove()
+    restore_window(opt, accumulation, by_id)
+
+
+def restore_window(opt, accumulation: dict[str, Any] | None, by_id: dict) -> None:
+    """Reopen the saved window (or start an empty one when the checkpoint has none)."""
+    win = opt._window
+    win.discard()
+    if accumulation is None:
+        return
+    win.micro_step = accumulation["micro_step"]
+    win.weight_sum = accumulation["weight_sum"]
+    win.weight_shift = accumulation.get("weight_shift", 0)  # saved before weight bands: 0
+    win.update_count = accumulation["update_count"]
+    win.updated = accumulation["updated"]
+    win.late_weights[:] = accumulation.get("late_weights", [])
+    win.grads_held = accumulation.get("grads_held", False)
+    # Saved on the device the checkpoint was taken on: bring them to this optimizer's.
+    params = opt._all_params()
+    device = params[0].device if params else torch.device("cpu")
+    norm, found = accumulation["last_grad_norm"], accumulation["found_inf"]
+    win.last_grad_norm = None if norm is None else norm.to(device)
+    win.found_inf = None if found is None else found.to(device, copy=True)
+    for param_id, saved in accumulation["buffers"].items():
+        p = by_id[param_id]
+        win.buffer(p).copy_(saved)
+        win.live.add(p)

@@ -1,0 +1,54 @@
+"""What accum_fused keeps per parameter, and what a backend sees of it.
+
+Owns: the dtype of accumulation buffers and optimizer state (``state_dtype``), the view a
+backend gets of a parameter, gradient, buffer or state tensor (``kernel_view``: a DTensor's
+local shard, a complex tensor as real), and the way back (``like_param``).
+Must not: know about optimizers, windows or process groups; it depends on torch alone, so
+every other module may use it.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import Tensor
+
+# Optimizer state entries that hold one value per parameter element (everything but "step").
+ELEMENTWISE_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def state_dtype(param: Tensor) -> torch.dtype:
+    """Buffers and optimizer state: fp64 for fp64 parameters, fp32 for every other real dtype;
+    complex64 / complex128 for complex parameters (torch.optim's state layout for them)."""
+    if param.is_complex():
+        return torch.complex128 if param.dtype == torch.complex128 else torch.complex64
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def is_dtensor(t: Tensor) -> bool:
+    # Only FSDP2 / tensor-parallel users have DTensors, and they have imported the module.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def kernel_view(t: Tensor) -> Tensor:
+    """What a backend sees of a parameter, gradient, buffer or state tensor: a DTensor's local
+    shard (FSDP2: every operation of the window is elementwise, so each rank updates its own
+    shard), complex tensors as real ones with a trailing dimension of 2, as torch.optim's own
+    implementations do (torch.view_as_real). Views: writes reach the original."""
+    if is_dtensor(t):
+        t = t.to_local()
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def like_param(local: Tensor, param: Tensor) -> Tensor:
+    """A state tensor a backend created from local shards, given the parameter's global layout
+    back (a DTensor for a DTensor parameter, complex for a complex one), as torch.optim's own
+    state would have it."""
+    if param.is_complex() and not local.is_complex():
+        local = torch.view_as_complex(local)
+    if is_dtensor(param) and not is_dtensor(local):
+        from torch.distributed.tensor import DTensor
+        local = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                   shape=param.shape, stride=param.stride())
+    return local

@@ -1,0 +1,354 @@
+"""The open accumulation window: one object, held by its optimizer, changed in place.
+
+Owns: the window's buffers (``buffers[p]``, the weighted gradient sum of the open window in
+``state_dtype(p)``; views into flat per-(device, dtype) storage when ranks synchronise), which
+parameters are live, the micro-batch count, the weight total and its band, the found-inf flag,
+the counters ``micro_step`` / ``updated`` / ``update_count`` / ``last_grad_norm`` that the
+optimizer's properties read, and the cross-rank reducer the buffers belong to (``sync``:
+replicas, ``shards``: FSDP2). Its verbs: ``add_micro_batch`` (step()), ``accumulate`` /
+``accumulate_one`` / ``adopt`` (one micro-batch's gradients in), ``close`` (sync -> found-inf ->
+clip -> update, for plain, synchronised and sharded windows alike), ``discard``.
+
+Must not: read ``.grad`` or touch hooks (the optimizer and in_backward.py hand gradients in),
+or do per-element math (backends do). It asks its optimizer, passed to the verbs that need it,
+for ``_all_params()``, ``_backend_for(p)``, ``_apply_window(...)`` (the update: SGD/Adam's
+math or GradientAccumulator's inner step), ``_call_key(p)`` / ``_update(...)`` (the update of
+a set of parameters), ``state``, ``accumulation_steps``, ``max_grad_norm``, ``in_backward``.
+It holds no reference to the optimizer, so a framework wrapper that copies the optimizer's
+``__dict__`` (Lightning's LightningOptimizer) reaches the same window instead of splitting it.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+
+from .layout import ELEMENTWISE_STATE, kernel_view, state_dtype
+
+# Weights are kept in units of 2**shift, shift a multiple of _WEIGHT_BAND, so that any finite
+# positive weight fits the fp32 buffers (uniform 1e-46 weights underflowed fp32 to a zero update,
+# 1e38 overflowed it to NaN). Weights in [1, 2**32) -- counts, token counts -- get shift 0 and the
+# arithmetic is exactly what it was; other shifts are exact powers of two, so results are the same
+# up to fp32 range. A later weight of 2**_WEIGHT_HEADROOM or more in the window's units moves the
+# window to its band (one rescaling pass over the live buffers), so a scaled weight stays < 2**64.
+_WEIGHT_BAND = 32
+_WEIGHT_HEADROOM = 64
+
+
+def _weight_band(weight: float) -> int:
+    return _WEIGHT_BAND * math.floor(math.frexp(weight)[1] / _WEIGHT_BAND)
+
+
+class Window:
+    """The open window; see the module docstring. ``live`` holds the parameters that received
+    a gradient in the open window (their buffers are live; every other buffer is stale and the
+    next gradient overwrites it, so no zeroing pass is ever needed)."""
+
+    def __init__(self, sync=None, shards=None) -> None:
+        self.buffers: dict[Tensor, Tensor] = {} if sync is None else sync.buffers
+        self.live: set[Tensor] = set()
+        self.micro_step = 0
+        self.weight_sum = 0.0  # in units of 2**weight_shift
+        self.weight_shift = 0
+        self.found_inf: Tensor | None = None
+        self.updated = False
+        self.update_count = 0
+        self.last_grad_norm: Tensor | None = None
+        # Who else holds this window's sums: a distributed.WindowSync (process_group: the
+        # buffers are its flat segments) or a distributed.ShardSync (FSDP2), or neither.
+        self.sync = sync
+        self.shards = shards
+        # The next micro-batch's weight, given before its gradients arrive
+        # (set_micro_batch_weight, opt.backward), and the backward pass adding it (in_backward).
+        self.pending_weight: float | None = None
+        # opt.backward() ran for the pending micro-batch and step() has not taken it yet (with
+        # FSDP2 its weight then scaled the loss: the gradient already carries it).
+        self.backward_done = False
+        # FSDP2, per micro-batch of the window: its weight when given only after backward (None
+        # when it scaled the loss), which ShardSync checks is equal on every rank; and whether a
+        # micro-batch's gradients were held back by FSDP (set_requires_gradient_sync(False)), so
+        # that they arrive summed with a later one's and take that one's weight.
+        self.late_weights: list[float | None] = []
+        self.grads_held = False
+        self.backward_pass = None  # an in_backward.BackwardPass while one runs
+        # Buffers that are autograd's own gradient tensors (in_backward zero-copy): dropped when
+        # the window closes, since the next window adopts fresh ones (resident 12 B/param for
+        # fp32 AdamW, as the native loop after zero_grad, instead of 16).
+        self.adopted: set[Tensor] = set()
+
+    @property
+    def spans_ranks(self) -> bool:
+        """Whether closing the window needs the other ranks (process_group, FSDP2)."""
+        return self.sync is not None or self.shards is not None
+
+    # ------------------------------------------------------------------ taking gradients in
+    def buffer(self, p: Tensor) -> Tensor:
+        buf = self.buffers.get(p)
+        if buf is None:
+            buf = self.buffers[p] = torch.empty_like(p, dtype=state_dtype(p), memory_format=torch.preserve_format)
+        return buf
+
+    def enter_weight(self, weight: float) -> float:
+        """``weight`` in the window's units (see _WEIGHT_BAND), moving the window to a higher
+        band first when this weight would not fit the current one. With FSDP2 the units stay 1:
+        opt.backward puts the weight into the loss, before the ranks' gradients are summed."""
+        if self.shards is not None:
+            return weight
+        band = _weight_band(weight)
+        if self.micro_step == 0:
+            self.weight_shift = band
+        elif band - self.weight_shift >= _WEIGHT_HEADROOM:
+            factor = math.ldexp(1.0, self.weight_shift - band)
+            live = [self.buffers[p] for p in self.live]
+            if live:
+                torch._foreach_mul_(live, factor)
+            self.weight_sum *= factor
+            self.weight_shift = band
+        return math.ldexp(weight, -self.weight_shift)
+
+    def add_micro_batch(self, opt, pairs, weight: float, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+        """step(): take one micro-batch, ``pairs`` of (param, grad), with ``weight``; on the
+        window's last micro-batch, close the window. Validates before anything changes."""
+        in_loss = self.backward_done and self.shards is not None
+        closing = self.micro_step + 1 >= opt.accumulation_steps
+        self.conform(opt, [p for p, _ in pairs] + list(self.live), closing)
+        if found_inf is not None:
+            # Sum on the device: no host synchronisation per micro-batch.
+            found = found_inf.detach().float()
+            found_inf = found if self.found_inf is None else self.found_inf + found
+        else:
+            found_inf = self.found_inf
+        weight = self.enter_weight(weight)
+        grad_weight = 1.0 if in_loss else weight  # FSDP2: opt.backward scaled the loss by it
+        # Nothing above changed the window's meaning; from here on the micro-batch is taken.
+        self.pending_weight = None
+        self.backward_done = False
+        self.micro_step += 1
+        # in_backward mode A: the buffers hold the sum of the loop's backward passes (what
+        # autograd would have summed into .grad), so the window's divisor is 1.
+        self.weight_sum = 1.0 if opt.in_backward else self.weight_sum + weight
+        self.found_inf = found_inf
+        if self.shards is not None and not opt.in_backward:  # (in_backward mode A sums: no weights)
+            self.late_weights.append(None if in_loss else weight)
+            self.grads_held |= not pairs
+        if not closing:
+            self.accumulate(pairs, grad_weight, grad_scale, opt._backend_for)
+            self.updated = False
+        elif opt._folds_last_micro_batch and opt.max_grad_norm is None and not self.spans_ranks:
+            self.close(opt, pairs, grad_weight, grad_scale)  # the last micro-batch folded into the update pass
+        else:
+            # Clipping needs the whole window's norm first: the last accumulate pass returns it
+            # (across ranks the norms are measured on the reduced sums instead).
+            local_norms = opt.max_grad_norm is not None and not self.spans_ranks
+            norms = self.accumulate(pairs, grad_weight, grad_scale, opt._backend_for,
+                                    norm_weight_sum=self.weight_sum if local_norms else None)
+            self.close(opt, (), grad_weight, None, norms)
+
+    def accumulate(self, pairs, weight: float, grad_scale: Tensor | None, backend_for,
+                   norm_weight_sum: float | None = None) -> dict[Tensor, Tensor]:
+        """Add one micro-batch into the buffers. With ``norm_weight_sum``, also return
+        {param: ||acc / norm_weight_sum||} for the parameters accumulated here."""
+        calls = defaultdict(list)
+        for p, grad in pairs:
+            overwrite = p not in self.live
+            calls[(p.device, p.dtype, grad.dtype, overwrite)].append((p, grad))
+        norms = {}
+        for (_, _, _, overwrite), items in calls.items():
+            call_norms = backend_for(items[0][0]).accumulate(
+                grads=[kernel_view(g) for _, g in items],
+                buffers=[kernel_view(self.buffer(p)) for p, _ in items],
+                weight=weight,
+                overwrite=overwrite,
+                grad_scale=grad_scale,
+                norm_weight_sum=norm_weight_sum,
+            )
+            if call_norms is not None:
+                norms.update(zip([p for p, _ in items], call_norms.unbind()))
+        self.live.update(p for p, _ in pairs)
+        return norms
+
+    def accumulate_one(self, p: Tensor, grad: Tensor, weight: float, backend) -> None:
+        """One parameter's gradient in (an in-backward hook): the hot path, one backend call."""
+        backend.accumulate(grads=[kernel_view(grad)], buffers=[kernel_view(self.buffer(p))], weight=weight,
+                           overwrite=p not in self.live)
+        self.live.add(p)
+
+    def adopt(self, p: Tensor, grad: Tensor) -> None:
+        """Zero-copy first micro-batch: autograd's fresh gradient becomes ``p``'s buffer."""
+        self.buffers[p] = grad
+        self.adopted.add(p)
+        self.live.add(p)
+
+    def conform(self, opt, params, closing: bool) -> None:
+        """Validate before anything changes. A parameter whose dtype or device changed after
+        construction (``model.double()``, ``model.to(...)``) carries its buffer and state
+        along (value-preserving: widening is exact; narrowing rounds what the user narrowed);
+        what cannot follow (a changed shape, flat cross-rank buffers) raises here."""
+        for p in params:
+            buf = self.buffers.get(p)
+            if buf is not None and (buf.dtype != state_dtype(p) or buf.device != p.device or buf.shape != p.shape):
+                if self.sync is not None:
+                    raise RuntimeError(
+                        f"{opt._param_name(p)} changed dtype, device or shape after this {type(opt).__name__} "
+                        "was built with a process_group, whose buffers are fixed: convert the model before "
+                        "building the optimizer"
+                    )
+                if p not in self.live:
+                    del self.buffers[p]  # stale: the next gradient allocates a fresh one
+                elif buf.shape != p.shape:
+                    raise RuntimeError(f"{opt._param_name(p)} changed shape in the middle of a window")
+                else:
+                    self.buffers[p] = buf.to(device=p.device, dtype=state_dtype(p))
+            if closing:
+                _conform_state(opt, p)
+
+    # ------------------------------------------------------------------------- closing
+    def close(self, opt, last_pairs=(), last_weight: float = 1.0, grad_scale: Tensor | None = None,
+              norms: dict | None = None, flushing: bool = False) -> bool:
+        """Close the window: agree with the other ranks (sums, weight total, non-finite flags),
+        skip it if a micro-batch was non-finite or no parameter received a gradient, otherwise
+        clip and update. ``last_pairs`` is the last micro-batch, not yet accumulated (folded into
+        the update pass); ``norms`` the per-parameter window-gradient norms already computed.
+        Sets and returns ``updated``."""
+        weight_sum, skip, clip_coef = self._agree(opt, flushing)
+        # An empty window (no gradient anywhere: no micro-batch on any rank, or only None grads)
+        # is not an update, as torch.optim's step without gradients changes nothing.
+        applied = not skip and weight_sum > 0 and bool(self.live or last_pairs)
+        try:
+            if applied:
+                if opt.max_grad_norm is not None and clip_coef is None:
+                    clip_coef = self._clip_coefficient(opt, weight_sum, norms or {})
+                opt._apply_window(dict(last_pairs), last_weight, grad_scale, weight_sum, clip_coef)
+                self.update_count += 1
+        finally:
+            self.discard()
+        self.updated = applied
+        return applied
+
+    def close_folded(self, opt, done: set, weight: float, weight_sum: float) -> None:
+        """Close a window whose last micro-batch updated the parameters in ``done`` inside their
+        in-backward hooks; the window's other live parameters (no gradient in that micro-batch)
+        are updated here."""
+        try:
+            self.live -= done
+            if self.live:
+                opt._apply_window({}, weight, None, weight_sum, None)
+            self.updated = bool(done or self.live)
+            self.update_count += self.updated
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Empty the window (counters of past updates stay; buffers stay allocated, stale)."""
+        for p in self.adopted:
+            del self.buffers[p]
+        self.adopted.clear()
+        self.live.clear()
+        self.late_weights.clear()
+        self.grads_held = False
+        self.micro_step, self.weight_sum, self.weight_shift, self.found_inf = 0, 0.0, 0, None
+
+    def _agree(self, opt, flushing: bool) -> tuple[float, bool, Tensor | None]:
+        """(the window's divisor, skip it, clip coefficient when already known)."""
+        if self.sync is not None:
+            weight_sum, skip, live = self.sync.reduce_window(
+                opt._all_params(), self.live, self.weight_sum, self.weight_shift, self.found_inf, flushing)
+            self.live.clear()
+            self.live.update(live)
+            return weight_sum, skip, None
+        if self.shards is not None:
+            return self._agree_sharded(opt, flushing)
+        return self.weight_sum, self.found_inf is not None and bool(self.found_inf.item() > 0), None
+
+    def _agree_sharded(self, opt, flushing: bool) -> tuple[float, bool, Tensor | None]:
+        """FSDP2: agree with the mesh's other ranks on the window (see distributed.ShardSync).
+        Returns (the divisor W / N, skip, clip coefficient or None). The window's global norm is
+        measured whether or not it clips, so that a non-finite value in any rank's shard skips
+        the window on every rank instead of updating some shards and not others."""
+        if self.grads_held and len(set(self.late_weights)) > 1:  # late weights, or late and in-loss mixed
+            raise RuntimeError(
+                "a micro-batch's gradients were held back by FSDP2 (set_requires_gradient_sync(False)) and arrived "
+                "summed with a later one's, but the window's weights, given after backward, differ: pass each "
+                f"weight before its backward with {type(opt).__name__}.backward(loss, weight=w), then step()"
+            )
+        params = opt._all_params()
+        by_kind = defaultdict(list)
+        for p in params:
+            if p in self.live:
+                by_kind[(p.device, p.dtype)].append(p)
+        sq_norm = None
+        for members in by_kind.values():
+            norms = opt._backend_for(members[0]).window_norms(
+                buffers=[kernel_view(self.buffers[p]) for p in members], weight_sum=1.0)
+            part = norms.to(torch.float64).square().sum()
+            sq_norm = part if sq_norm is None else sq_norm + part.to(sq_norm.device)
+        divisor, sq_norm = self.shards.reduce_window(params[0].device, self.weight_sum, sq_norm, flushing,
+                                                     self.late_weights, opt.accumulation_steps)
+        if divisor <= 0:
+            return divisor, False, None
+        total_norm = (sq_norm.sqrt() / divisor).float()
+        if not math.isfinite(total_norm.item()):
+            return divisor, True, None
+        if opt.max_grad_norm is None:
+            return divisor, False, None
+        self.last_grad_norm = total_norm
+        return divisor, False, torch.clamp(opt.max_grad_norm / (total_norm + 1e-6), max=1.0)
+
+    def _clip_coefficient(self, opt, weight_sum: float, norms: dict[Tensor, Tensor]) -> Tensor:
+        """min(max_grad_norm / (||g|| + 1e-6), 1) on the device, as clip_grad_norm_ computes
+        it. ``norms`` has the per-parameter norms the last accumulate pass produced; the
+        window's other parameters (no gradient in that micro-batch) are measured here."""
+        live = [p for p in opt._all_params() if p in self.live]
+        missing = defaultdict(list)
+        for p in live:
+            if p not in norms:
+                missing[(p.device, p.dtype)].append(p)
+        for params in missing.values():
+            measured = opt._backend_for(params[0]).window_norms(
+                buffers=[kernel_view(self.buffers[p]) for p in params], weight_sum=weight_sum)
+            norms = {**norms, **dict(zip(params, measured.unbind()))}
+        total_norm = torch.linalg.vector_norm(torch.stack([norms[p].to(live[0].device) for p in live]))
+        self.last_grad_norm = total_norm
+        return torch.clamp(opt.max_grad_norm / (total_norm + 1e-6), max=1.0)
+
+    def update_params(self, opt, last_grads, last_weight, grad_scale, weight_sum, clip_coef) -> None:
+        """SGD/Adam/AdamW's update of every live parameter with the window gradient (the last
+        micro-batch folded in where ``last_grads`` holds it), group by group, in backend calls
+        that share (device, dtype), the optimizer's call key (Adam's step count) and how the
+        last micro-batch folds in."""
+        for group in opt.param_groups:
+            calls = defaultdict(list)
+            for p in group["params"]:
+                grad = last_grads.get(p)
+                if grad is None and p not in self.live:
+                    continue  # no gradient all window: left alone, as torch leaves it
+                self.buffer(p)
+                fold = None if grad is None else (grad.dtype, p not in self.live)
+                calls[(p.device, p.dtype, opt._call_key(p), fold)].append(p)
+            for (_, _, _, fold), params in calls.items():
+                last = {}
+                if fold is not None:
+                    last = dict(grads=[kernel_view(last_grads[p]) for p in params], weight=last_weight,
+                                overwrite=fold[1], grad_scale=grad_scale)
+                opt._update(opt._backend_for(params[0]), group, params,
+                            [kernel_view(self.buffers[p]) for p in params],
+                            weight_sum=weight_sum, clip_coef=clip_coef, **last)
+
+
+def _conform_state(opt, p: Tensor) -> None:
+    """The optimizer's elementwise state follows ``p``'s dtype and device (the update reads it);
+    a state of another shape came from another model's checkpoint."""
+    state = opt.state.get(p, {})
+    for key in ELEMENTWISE_STATE:
+        value = state.get(key)
+        if not isinstance(value, Tensor):
+            continue
+        if value.shape != p.shape:
+            raise ValueError(
+                f"optimizer state {key!r} of {opt._param_name(p)} has shape {tuple(value.shape)}: the "
+                "loaded state_dict belongs to another model; load one saved from this model's optimizer"
+            )
+        if value.dtype != state_dtype(p) or value.device != p.device:
+            state[key] = value.to(device=p.device, dtype=state_dtype(p))
