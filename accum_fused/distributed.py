@@ -1,5 +1,11 @@
 """Cross-rank synchronisation for the accumulating optimizers: once per window, not per micro-batch.
 
+Owns: process groups (checks, broadcast of parameters), DDP detection and switching its
+per-backward sync off, the flat buffers and the once-per-window reduction of replicas
+(``WindowSync``: bucketed, overlapped with the last backward in mode B), and FSDP2's mesh and
+once-per-window agreement (``shard_mesh``, ``ShardSync``). Must not: know about optimizers or
+windows; it gets parameters, buffers and numbers, and returns what the ranks agreed on.
+
 With ``process_group=...`` an optimizer keeps its fp32 accumulation buffers as views into one
 flat tensor per (device, buffer dtype) ("segments", in parameter order, as DDP's buckets with
 ``gradient_as_bucket_view``), so each bucket all-reduce works in place, with no copy in or out.
@@ -370,7 +376,7 @@ class WindowSync:
                       found_inf: Tensor | None, flushing: bool) -> tuple[float, bool, set]:
         """Collective: every rank of the group must call it once per window, with ``params`` in
         the same order, all from step() or all from flush(). ``weight_sum`` and the buffers are
-        in units of ``2**weight_shift`` (the optimizer's weight band, see optim.py). Returns
+        in units of ``2**weight_shift`` (the window's weight band, see window.py). Returns
         (global weight total in the group's common units, any rank non-finite, globally live
         parameters); unless non-finite, the live parameters' buffers then hold the global sums
         in those units. After ``begin_overlapped_window`` it finishes that window's reduce

@@ -214,8 +214,8 @@ def run_rank(rank: int, world: int, args, port: int | None) -> None:
     # mode B also the metadata all-reduce at the start of the last backward)
     for name in ("accum_fused", "accum_fused_in_backward"):
         _, _, opt, timer, _ = setups[name]
-        opt._sync.reduce_window = timer.wrap(opt._sync.reduce_window)
-        opt._sync.begin_overlapped_window = timer.wrap(opt._sync.begin_overlapped_window)
+        opt._window.sync.reduce_window = timer.wrap(opt._window.sync.reduce_window)
+        opt._window.sync.begin_overlapped_window = timer.wrap(opt._window.sync.begin_overlapped_window)
     counter = ByteCounter()
 
     times = {name: [] for name in CONTENDERS}

@@ -338,6 +338,22 @@ def _split_call(params, grads) -> list[list[int]] | None:
     return _groups(keys) if len(set(keys)) > 1 else None
 
 
+def _update_inputs(device, layout: "_Layout", grads, grad_scale, clip_coef, plan: "_Plan"):
+    """An update kernel's inputs beyond its plan: the folded last micro-batch's gradients
+    (staged where a layout needs it: the caller keeps ``staged`` alive until the launch), their
+    pointer table, whether every access is aligned, and the GradScaler scale and clip
+    coefficient as device scalars (a dummy where absent; the kernel's HAS_* flags say which)."""
+    dummy_f, dummy_i = _dummy(device)
+    aligned, grad_ptrs, staged = plan.aligned, dummy_i, None
+    if grads is not None:
+        staged = layout.read(grads)
+        grad_ptrs, grads_aligned = _grad_table(device, staged)
+        aligned = aligned and grads_aligned
+    scale = device_scalar(grad_scale, device) if grads is not None else None
+    clip = device_scalar(clip_coef, device)
+    return staged, grad_ptrs, aligned, dummy_f if scale is None else scale, dummy_f if clip is None else clip
+
+
 def sgd_update(
     *,
     params: list[Tensor],
@@ -388,25 +404,16 @@ def sgd_update(
         moms = layout.read_write(moms)
     params_k = layout.read_write(params)
     plan = _plan(device, [buffers, params_k, moms], flags)
-    aligned = plan.aligned
-    dummy_f, dummy_i = _dummy(device)
-    if grads is not None:
-        grads = layout.read(grads)  # (staged copies must outlive the launch)
-        grad_ptrs, grads_aligned = _grad_table(device, grads)
-        aligned = aligned and grads_aligned
-    else:
-        grad_ptrs = dummy_i
-    scale = device_scalar(grad_scale, device) if grads is not None else None
-    clip = device_scalar(clip_coef, device)
+    staged, grad_ptrs, aligned, scale, clip = _update_inputs(device, layout, grads, grad_scale, clip_coef, plan)
     if plan.n_chunks:
         _launch(K.sgd_kernel, plan.n_chunks, plan.chunks, plan.meta, grad_ptrs,
-                dummy_f if scale is None else scale, dummy_f if clip is None else clip,
-                float(weight), float(weight_sum), -host_value(lr), float(momentum), float(1 - dampening),
+                scale, clip, float(weight), float(weight_sum), -host_value(lr), float(momentum), float(1 - dampening),
                 float(weight_decay),
                 P_DTYPE=_TL_DTYPES[params[0].dtype],
                 G_DTYPE=_TL_DTYPES[grads[0].dtype] if grads is not None else tl.float32,
                 FUSE=grads is not None, OVERWRITE=bool(overwrite) and grads is not None,
-                HAS_SCALE=scale is not None, HAS_CLIP=clip is not None, HAS_WD=weight_decay != 0,
+                HAS_SCALE=grads is not None and grad_scale is not None, HAS_CLIP=clip_coef is not None,
+                HAS_WD=weight_decay != 0,
                 HAS_MOMENTUM=has_momentum, NESTEROV=bool(nesterov) and has_momentum, MAXIMIZE=bool(maximize),
                 ALIGNED=aligned, META=plan.width, CHUNK=plan.chunk, BLOCK=plan.block)
     layout.finish()
@@ -464,25 +471,15 @@ def adam_update(
     maxes = layout.read_write(max_exp_avg_sqs) if amsgrad else [None] * len(params)
     plan = _plan(device, [buffers, layout.read_write(params), layout.read_write(exp_avgs),
                           layout.read_write(exp_avg_sqs), maxes])
-    aligned = plan.aligned
-    dummy_f, dummy_i = _dummy(device)
-    if grads is not None:
-        grads = layout.read(grads)  # (staged copies must outlive the launch)
-        grad_ptrs, grads_aligned = _grad_table(device, grads)
-        aligned = aligned and grads_aligned
-    else:
-        grad_ptrs = dummy_i
-    scale = device_scalar(grad_scale, device) if grads is not None else None
-    clip = device_scalar(clip_coef, device)
+    staged, grad_ptrs, aligned, scale, clip = _update_inputs(device, layout, grads, grad_scale, clip_coef, plan)
     if plan.n_chunks:
         _launch(K.adam_kernel, plan.n_chunks, plan.chunks, plan.meta, grad_ptrs,
-                dummy_f if scale is None else scale, dummy_f if clip is None else clip,
-                float(weight), float(weight_sum), host_value(decay_factor), float(weight_decay), float(1 - beta1),
+                scale, clip, float(weight), float(weight_sum), host_value(decay_factor), float(weight_decay), float(1 - beta1),
                 float(beta2), float(1 - beta2), float(bias_correction2_sqrt), float(eps), -host_value(step_size),
                 P_DTYPE=_TL_DTYPES[params[0].dtype],
                 G_DTYPE=_TL_DTYPES[grads[0].dtype] if grads is not None else tl.float32,
                 FUSE=grads is not None, OVERWRITE=bool(overwrite) and grads is not None,
-                HAS_SCALE=scale is not None, HAS_CLIP=clip is not None, HAS_WD=has_wd,
+                HAS_SCALE=grads is not None and grad_scale is not None, HAS_CLIP=clip_coef is not None, HAS_WD=has_wd,
                 DECOUPLED=bool(decoupled_weight_decay), AMSGRAD=bool(amsgrad), MAXIMIZE=bool(maximize),
                 ALIGNED=aligned, META=plan.width, CHUNK=plan.chunk, BLOCK=plan.block)
     layout.finish()

@@ -1,0 +1,324 @@
+"""The entry points every accum_fused optimizer shares: what torch.optim's API means here.
+
+Owns: ``AccumulatingOptimizer``, the base of SGD, Adam, AdamW and GradientAccumulator (optim.py):
+construction of the window and its reducers, param groups, the weight argument's checks,
+and ``step`` / ``flush`` / ``backward`` / ``set_micro_batch_weight`` / ``zero_grad`` /
+``state_dict`` / ``load_state_dict`` / copies as thin entry points that validate, then
+delegate: the open window and its closing to ``window.py``, backward passes to
+``in_backward.py``, checkpoint layouts to ``checkpoint.py``, ranks to ``distributed.py``.
+
+Must not: do window arithmetic, per-element math or per-class update math (``_update`` is
+the subclasses', as is GradientAccumulator's ``_apply_window``), or hold any of the window's
+state outside ``_window``.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from . import backends, checkpoint, distributed, in_backward as hooks
+from .checkpoint import called_from_torch_checkpoint
+from .layout import is_dtensor, state_dtype
+from .window import Window
+
+
+def _check_weight(weight) -> float:
+    if isinstance(weight, Tensor):
+        if weight.numel() != 1 or weight.is_complex():
+            raise TypeError("weight must be a real number or a 1-element real tensor")
+        weight = weight.item()
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+        raise TypeError(f"weight must be a real number, got {type(weight).__name__}")
+    weight = float(weight)
+    if not (math.isfinite(weight) and weight > 0):
+        raise ValueError(f"weight must be finite and > 0, got {weight}")
+    return weight
+
+
+def _window_view(name: str, doc: str) -> property:
+    def get(self):
+        return getattr(self._window, name)
+
+    def set_(self, value):
+        setattr(self._window, name, value)
+
+    return property(get, set_, doc=doc)
+
+
+class AccumulatingOptimizer:
+    """The entry points shared by SGD, Adam, AdamW and GradientAccumulator.
+
+    The open window is ``self._window`` (window.Window), created once and never re-bound.
+    Subclasses implement ``_apply_window`` (SGD/Adam/AdamW: ``Window.update_params``, which
+    calls their ``_update`` per backend call; GradientAccumulator: write ``.grad``, inner step).
+    """
+
+    # torch.amp.GradScaler.step: hand us grad_scale / found_inf instead of unscaling .grad.
+    _step_supports_amp_scaling = True
+    # State that stays in state_dtype whatever the parameter dtype (torch would cast it).
+    _wide_state_keys: tuple[str, ...] = ()
+    # Fuse the window's last micro-batch into the update pass when nothing needs the whole
+    # window's sums first (clipping, a cross-rank reduce).
+    _folds_last_micro_batch = True
+
+    micro_step = _window_view("micro_step", "Micro-batches in the open window.")
+    updated = _window_view("updated", "Whether the last step()/flush() applied an update.")
+    update_count = _window_view("update_count", "Updates applied (skipped or empty windows do not count).")
+    last_grad_norm = _window_view("last_grad_norm", "Pre-clip global norm of the last clipped window.")
+
+    @property
+    def micro_batch_weight(self) -> float | None:
+        """The weight set by set_micro_batch_weight for the next micro-batch, or None."""
+        return self._window.pending_weight
+
+    def _init_accumulation(self, accumulation_steps: int, max_grad_norm: float | None, backend: str,
+                           process_group, in_backward: bool = False) -> None:
+        if not isinstance(in_backward, bool):
+            raise TypeError(f"in_backward must be a bool, got {type(in_backward).__name__}")
+        self.accumulation_steps = int(accumulation_steps)
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.backend = backend
+        self.process_group = process_group
+        self.in_backward = in_backward
+        self._hook_handles: list = []
+        name, params = type(self).__name__, self._all_params()
+        mesh = self._check_params(params)
+        # FSDP2 (DTensor parameters): the ranks of the mesh agree once per window (ShardSync).
+        shards = None if mesh is None else distributed.ShardSync(mesh, name)
+        sync = None
+        if process_group is not None:
+            sync = distributed.WindowSync(process_group, name)
+            sync.add_params(params, state_dtype)
+        else:
+            distributed.warn_if_ddp_without_sync(name, params)
+        self._window = Window(sync, shards)
+        if in_backward:
+            hooks.install(self)
+
+    # ----------------------------------------------------------------------------- params
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict):
+            params = param_group.get("params")
+            if params is not None and not isinstance(params, (Tensor, set)):
+                params = list(params)  # a generator must survive being read here and in torch
+                param_group = {**param_group, "params": params}
+            if hasattr(self, "_window"):  # during torch's __init__, _init_accumulation checks all
+                items = [params] if isinstance(params, Tensor) else params or []
+                self._check_params([item[1] if isinstance(item, tuple) else item for item in items])
+        self._add_group(param_group)
+        if hasattr(self, "_window"):  # during torch's __init__, _init_accumulation registers all
+            if self._window.sync is not None:
+                self._window.sync.add_params(self.param_groups[-1]["params"], state_dtype)
+            if self.in_backward:
+                hooks.register_hooks(self, self.param_groups[-1]["params"])
+
+    def _add_group(self, param_group) -> None:
+        super().add_param_group(param_group)
+
+    def _check_params(self, tensors):
+        """Refuse, before anything changes, parameters no backend can run correctly. Returns
+        the FSDP2 device mesh when the parameters are DTensors, else None."""
+        tensors = [t for t in tensors if isinstance(t, Tensor)]
+        built = hasattr(self, "_window")
+        if not (built and self._window.shards is not None) and not any(is_dtensor(t) for t in tensors):
+            return None
+        if self.process_group is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__} got DTensor parameters (FSDP2) and a process_group: FSDP2 reduces the "
+                "gradients itself, and accum_fused agrees with the other ranks over the parameters' mesh; "
+                "leave process_group unset"
+            )
+        owned = self._all_params() if built else []
+        return distributed.shard_mesh(owned + tensors, type(self).__name__)
+
+    def _all_params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _param_name(self, p: Tensor) -> str:
+        index = next(i for i, q in enumerate(self._all_params()) if q is p)
+        return f"parameter {index} (shape {tuple(p.shape)}, {p.dtype}, {p.device})"
+
+    def _backend_for(self, param: Tensor):
+        return backends.resolve(self.backend, param.device, param.dtype.to_real())
+
+    def _collect_grads(self) -> list[tuple[Tensor, Tensor]]:
+        """(param, grad) for every parameter with a gradient, validated: no sparse gradient,
+        and fused=True groups on a device and dtype torch's fused kernels support, as torch
+        checks at step() (fused=True is accepted: every backend call is one fused pass)."""
+        pairs = [(p, p.grad) for p in self._all_params() if p.grad is not None]
+        for _, grad in pairs:
+            if grad.is_sparse:
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients (a parameter has "
+                    "one); use torch.optim.SparseAdam or nn.Embedding(sparse=False)"
+                )
+        fused = {p for group in self.param_groups if group.get("fused") for p in group["params"]}
+        if fused:
+            from torch.optim.optimizer import _device_dtype_check_for_fused  # torch's own message
+            for p, _ in pairs:
+                if p in fused:
+                    _device_dtype_check_for_fused(p)
+        return pairs
+
+    # ------------------------------------------------------------------------------- step
+    # The window bookkeeping is host code: torch.compile(opt.step) runs it eagerly. The lazy
+    # form (torch.optim's own load_state_dict uses it): importing accum_fused must not import
+    # torch._dynamo (and Triton with it).
+    @torch._disable_dynamo
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, *, weight: float | Tensor | None = None):
+        """Accumulate this micro-batch's gradients (times ``weight``); on every
+        ``accumulation_steps``-th call, apply the update with sum(w_i g_i) / sum(w_i).
+        Returns the closure's loss, like torch.optim. With a process_group, the boundary call
+        is collective: every rank reaches it once per window.
+
+        With ``accumulation_steps > 1`` the gradients are taken: ``.grad`` is None afterwards
+        (the micro-batch lives on in the fp32 buffer), so a ``zero_grad()`` forgotten between
+        micro-batches cannot make autograd add one micro-batch into the next. With
+        ``accumulation_steps=1``, ``.grad`` is left alone, as torch.optim leaves it.
+
+        ``weight`` defaults to the one given by ``set_micro_batch_weight`` for this micro-batch
+        (read after the closure ran, so a closure may set it), else 1.0."""
+        if called_from_torch_checkpoint("_init_optim_state"):
+            self._init_state_for_checkpoint()
+            return None
+        win = self._window
+        if weight is not None:
+            weight = _check_weight(weight)
+            if win.backward_done:
+                raise ValueError("this micro-batch's weight was given to backward(loss, weight=...): call step() "
+                                 "without weight=")
+        if self.in_backward:
+            hooks.check_step(self, 1.0 if weight is None else weight)
+        if win.shards is not None and getattr(self, "found_inf", None) is not None:
+            raise RuntimeError(
+                f"{type(self).__name__} with FSDP2 parameters cannot be driven by torch.amp.GradScaler: GradScaler "
+                "checks each rank's own shards for non-finite values and updates its scale per rank, so the ranks' "
+                "scales drift apart. Use bf16 (MixedPrecisionPolicy(param_dtype=torch.bfloat16)); accum_fused "
+                "skips a window with a non-finite value on any rank on every rank"
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if weight is None:
+            weight = 1.0 if win.pending_weight is None else win.pending_weight
+        pairs = self._collect_grads()
+        win.add_micro_batch(self, pairs, weight, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        if self.accumulation_steps > 1:
+            for p, _ in pairs:
+                p.grad = None
+        return loss
+
+    @torch._disable_dynamo
+    @torch.no_grad()
+    def flush(self) -> bool:
+        """Apply a pending partial window, averaged over the weights it holds. Returns True
+        when an update was applied; False when nothing was pending, the window held no
+        gradient, or it was skipped because a micro-batch had non-finite gradients. With a
+        process_group it is collective: call it on every rank, including ranks whose window is
+        empty."""
+        win = self._window
+        if win.backward_pass is not None:
+            raise RuntimeError("flush() was called inside a backward pass; call it after backward returns")
+        if self.in_backward and self.accumulation_steps == 1:
+            win.weight_sum = 1.0 if win.live else 0.0  # mode A: a sum (see Window.add_micro_batch)
+        if not (win.micro_step > 0 or win.spans_ranks):
+            win.updated = False
+            return False
+        win.conform(self, list(win.live), closing=True)
+        return win.close(self, flushing=True)
+
+    def set_micro_batch_weight(self, weight: float | Tensor) -> None:
+        """The weight of the micro-batch being accumulated now, for loops that call ``step()``
+        or ``loss.backward()`` without one (HF Trainer, Lightning, accelerate): the next
+        ``step()`` without ``weight=`` (also one whose closure calls this) or, with
+        ``in_backward``, the next backward pass uses it. Validated here."""
+        weight = _check_weight(weight)
+        if self.in_backward and self.accumulation_steps == 1 and weight != 1.0:
+            raise ValueError("with in_backward=True and accumulation_steps=1 the backward passes are summed: "
+                             "a micro-batch weight has no meaning there (scale the loss instead)")
+        if self._window.shards is not None and self.in_backward and weight != 1.0:
+            raise ValueError("with FSDP2 and in_backward=True a micro-batch's weight must reach its gradients "
+                             "before FSDP2 averages them over the ranks: pass it to opt.backward(loss, weight=w)")
+        if self._window.backward_done:
+            raise ValueError("set_micro_batch_weight() after opt.backward(): give the weight to backward(loss, "
+                             "weight=...) or set it before")
+        self._window.pending_weight = weight
+
+    def backward(self, loss: Tensor, *, weight: float | Tensor | None = None, **backward_kwargs) -> None:
+        """Run ``loss.backward(**backward_kwargs)`` as one micro-batch of weight ``weight``
+        (default: the one set by set_micro_batch_weight, else 1).
+
+        Without in_backward, call ``step()`` (no ``weight=``) after it. This is how to weight
+        micro-batches with FSDP2: FSDP2 averages the ranks' gradients inside backward, so the
+        weight must reach them before, and here it scales the loss.
+
+        With in_backward and ``accumulation_steps=k > 1`` the k-th call applies the update
+        before it returns (``updated`` says so). With ``accumulation_steps=1`` the gradients
+        are summed (weight must be 1) and ``step()`` applies them."""
+        win = self._window
+        if weight is None:
+            weight = 1.0 if win.pending_weight is None else win.pending_weight
+        weight = _check_weight(weight)
+        if win.shards is not None and weight != 1.0:
+            loss = loss * weight  # before FSDP2's reduce-scatter averages the ranks' gradients
+        if self.in_backward:
+            hooks.backward(self, loss, weight, backward_kwargs)
+            return
+        if win.backward_done:
+            raise RuntimeError(f"{type(self).__name__}.backward() was called twice without step() in between: "
+                               "autograd would add both micro-batches into .grad under one weight")
+        torch.autograd.backward(loss, **backward_kwargs)
+        win.pending_weight, win.backward_done = weight, True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad; with in_backward and accumulation_steps=1 it also empties the
+        buffers, which hold what .grad would have held (with k > 1 the window is the optimizer's)."""
+        super().zero_grad(set_to_none)
+        if (getattr(self, "in_backward", False) and self.accumulation_steps == 1
+                and not called_from_torch_checkpoint("_init_optim_state")):  # clearing its own zero grads
+            self._window.discard()
+
+    # --------------------------------------------------------------------------- updating
+    def _apply_window(self, last_grads, last_weight, grad_scale, weight_sum, clip_coef) -> None:
+        """Update every live parameter with the window gradient (Window.close calls this)."""
+        self._window.update_params(self, last_grads, last_weight, grad_scale, weight_sum, clip_coef)
+
+    def _call_key(self, p: Tensor):
+        """Extra key for parameters that cannot share one backend call (none by default)."""
+        return None
+
+    def _update(self, backend, group, params, buffers, **window) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ checkpoint, copies
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state_dict plus an ``"accumulation"`` entry with the open window: its
+        buffers (by parameter index, as in ``"state"``), counters and GradScaler flag. With
+        FSDP2 parameters the window is carried inside "state" and "param_groups" instead."""
+        return checkpoint.state_dict(self, super().state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load our own state_dict (resuming mid-window exactly) or a torch.optim one of the
+        same class (migration: the window starts empty, state is widened to fp32)."""
+        checkpoint.load_state_dict(self, state_dict, super().load_state_dict)
+
+    def _init_state_for_checkpoint(self) -> None:
+        """torch.distributed.checkpoint's stand-in for a first step: create the state a first
+        update would, so that a fresh optimizer's state_dict is a load template; the window,
+        parameters and step counts stay as they are."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's __getstate__ keeps only defaults/state/param_groups; copy.deepcopy and
+        # pickle must keep the open window too.
+        checkpoint.refuse_copy(self)
+        return {**super().__getstate__(), **{k: getattr(self, k) for k in checkpoint.ACCUMULATION_ATTRS}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        checkpoint.restore_defaults(self.__dict__)
