@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Time ONE accumulation window in detail: accum_fused.AdamW against the native torch loop.
 
-A thin wrapper: the benchmark lives in ``accum_fused/bench.py`` (``window_main``), shared with
+A thin wrapper: the benchmark lives in the ``accum_fused.bench`` package (``window_main``), shared with
 ``python -m accum_fused bench`` (the sweep). The contenders, the byte model and the bandwidth
 probes are described in that module's docstring (``python -m pydoc accum_fused.bench``) and in
 benchmarks/README.md.
