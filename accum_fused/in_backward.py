@@ -7,16 +7,17 @@ owns the window: backward passes are summed, ``step()`` applies) and mode B (one
 micro-batch, the k-th applies the update inside backward), adopting autograd's fresh gradient
 as the buffer, and the trigger of the overlapped bucketed reduction (``sync.grad_ready``).
 
-Must not: read the window's buffers or counters behind its back beyond what a backward pass
-needs to know (is this parameter live, how many micro-batches so far); gradients go in and the
-window closes through the window's verbs (``accumulate_one``, ``adopt``, ``close``,
-``close_folded``). The update math of a folded parameter is the optimizer's ``_update``.
+Must not: change the window's buffers or counters itself: a micro-batch begins, its gradients
+go in and it ends (closing the window on its last) through the window's verbs
+(``begin_micro_batch``, ``accumulate_one``, ``adopt``, ``finish_micro_batch``); it only reads
+whether a parameter is live, and keeps its own records on the window (``pending_weight``, the
+weight opt.backward gives its pass; ``backward_pass``). The update math of a folded parameter
+is the optimizer's ``_update``.
 
 Each hook holds its optimizer weakly: when the optimizer is collected, its hooks go with it.
 """
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Callable
 
@@ -105,7 +106,7 @@ def backward(opt, loss: Tensor, weight: float, backward_kwargs: dict) -> None:
         if win.pending_weight is not None:
             # No parameter of this optimizer received a gradient (FSDP2 may hold them back
             # for a later backward): still one micro-batch.
-            win.grads_held |= win.shards is not None
+            win.hold_grads()
             begin_pass(opt)
             end_pass(opt)
     finally:
@@ -160,48 +161,22 @@ def _can_adopt(win, p: Tensor, grad: Tensor, weight: float) -> bool:
 
 def begin_pass(opt) -> BackwardPass:
     """The first gradient of a backward pass arrived (or opt.backward saw none): open its
-    micro-batch, in the window's weight units; on the window's last micro-batch with a
-    process group, exchange the window's metadata so that buckets can reduce during it."""
+    micro-batch in the window."""
     win = opt._window
-    weight = 1.0 if win.pending_weight is None else win.pending_weight
-    win.pending_weight = None
-    sums = opt.accumulation_steps == 1  # mode A: the loop owns the window
-    closing = not sums and win.micro_step + 1 >= opt.accumulation_steps
-    win.conform(opt, list(win.live), closing)
-    if sums:
-        win.weight_shift = 0
-    else:
-        weight = win.enter_weight(weight)
-    if closing and win.sync is not None:
-        # The window's weights and flags are all known now: exchange them before the last
-        # gradients arrive, so that the hooks can all-reduce buckets during this backward
-        # (distributed.py). The ranks' common weight band becomes the window's.
-        shift = win.sync.begin_overlapped_window(opt._all_params(), win.live, win.weight_sum + weight,
-                                                 win.weight_shift)
-        weight, win.weight_sum = (math.ldexp(x, win.weight_shift - shift) for x in (weight, win.weight_sum))
-        win.weight_shift = shift
+    closing = opt.accumulation_steps > 1 and win.micro_step + 1 >= opt.accumulation_steps
+    weight, weight_sum = win.begin_micro_batch(opt, win.take_pending_weight(), closing)
     fold = closing and opt.max_grad_norm is None and not win.spans_ranks
     # With FSDP2, opt.backward scaled the loss by the weight: the gradients carry it.
     grad_weight = 1.0 if win.shards is not None else weight
-    win.backward_pass = BackwardPass(grad_weight, win.weight_sum + weight, closing, fold)
+    win.backward_pass = BackwardPass(grad_weight, weight_sum, closing, fold)
     return win.backward_pass
 
 
 @torch.no_grad()
 def end_pass(opt) -> None:
     """Queued on the autograd engine by the first hook: runs once the backward pass is done.
-    Counts the micro-batch and, on the window's last, closes the window."""
+    The window counts the micro-batch and, on its last, closes."""
     win = opt._window
     mb, win.backward_pass = win.backward_pass, None
-    if mb is None:
-        return
-    win.micro_step += 1
-    win.weight_sum = mb.weight_sum
-    if win.shards is not None and opt.accumulation_steps > 1:
-        win.late_weights.append(None)  # opt.backward put the weight into the loss
-    if not mb.closing:
-        win.updated = False
-    elif mb.fold:
-        win.close_folded(opt, mb.done, mb.weight, mb.weight_sum)
-    else:
-        win.close(opt, (), mb.weight, None)
+    if mb is not None:
+        win.finish_micro_batch(opt, mb.weight, mb.weight_sum, mb.closing, mb.done if mb.fold else None)

@@ -5,9 +5,10 @@ Owns: the window's buffers (``buffers[p]``, the weighted gradient sum of the ope
 parameters are live, the micro-batch count, the weight total and its band, the found-inf flag,
 the counters ``micro_step`` / ``updated`` / ``update_count`` / ``last_grad_norm`` that the
 optimizer's properties read, and the cross-rank reducer the buffers belong to (``sync``:
-replicas, ``shards``: FSDP2). Its verbs: ``add_micro_batch`` (step()), ``accumulate`` /
-``accumulate_one`` / ``adopt`` (one micro-batch's gradients in), ``close`` (sync -> found-inf ->
-clip -> update, for plain, synchronised and sharded windows alike), ``discard``.
+replicas, ``shards``: FSDP2). Its verbs: ``add_micro_batch`` (a whole micro-batch, from step()),
+``begin_micro_batch`` / ``accumulate_one`` / ``adopt`` / ``finish_micro_batch`` (one arriving
+parameter at a time, from in_backward.py's hooks), ``close`` (sync -> found-inf -> clip ->
+update, for plain, synchronised and sharded windows alike), ``discard``.
 
 Must not: read ``.grad`` or touch hooks (the optimizer and in_backward.py hand gradients in),
 or do per-element math (backends do). It asks its optimizer, passed to the verbs that need it,
@@ -72,7 +73,9 @@ class Window:
         # that they arrive summed with a later one's and take that one's weight.
         self.late_weights: list[float | None] = []
         self.grads_held = False
-        self.backward_pass = None  # an in_backward.BackwardPass while one runs
+        # in_backward.py's record of the backward pass running now (a BackwardPass), kept here so
+        # that every holder of the window sees the same one.
+        self.backward_pass = None
         # Buffers that are autograd's own gradient tensors (in_backward zero-copy): dropped when
         # the window closes, since the next window adopts fresh ones (resident 12 B/param for
         # fp32 AdamW, as the native loop after zero_grad, instead of 16).
@@ -132,7 +135,8 @@ class Window:
         self.found_inf = found_inf
         if self.shards is not None and not opt.in_backward:  # (in_backward mode A sums: no weights)
             self.late_weights.append(None if in_loss else weight)
-            self.grads_held |= not pairs
+            if not pairs:
+                self.hold_grads()
         if not closing:
             self.accumulate(pairs, grad_weight, grad_scale, opt._backend_for)
             self.updated = False
@@ -145,6 +149,52 @@ class Window:
             norms = self.accumulate(pairs, grad_weight, grad_scale, opt._backend_for,
                                     norm_weight_sum=self.weight_sum if local_norms else None)
             self.close(opt, (), grad_weight, None, norms)
+
+    def take_pending_weight(self) -> float:
+        """The weight given for the next micro-batch before its gradients (else 1), consumed."""
+        weight = 1.0 if self.pending_weight is None else self.pending_weight
+        self.pending_weight = None
+        return weight
+
+    def begin_micro_batch(self, opt, weight: float, closing: bool) -> tuple[float, float]:
+        """in_backward: a micro-batch whose gradients will arrive one parameter at a time begins.
+        Validates, brings ``weight`` into the window's units (mode A sums backward passes: units
+        of 1) and, on the window's last micro-batch with a process group, exchanges the window's
+        metadata now, so that the hooks can all-reduce buckets during this backward
+        (distributed.py; the ranks' common weight band becomes the window's). Returns (weight,
+        weight total including it), in the window's units."""
+        self.conform(opt, list(self.live), closing)
+        if opt.accumulation_steps == 1:
+            self.weight_shift = 0
+        else:
+            weight = self.enter_weight(weight)
+        if closing and self.sync is not None:
+            shift = self.sync.begin_overlapped_window(opt._all_params(), self.live, self.weight_sum + weight,
+                                                      self.weight_shift)
+            weight, self.weight_sum = (math.ldexp(x, self.weight_shift - shift) for x in (weight, self.weight_sum))
+            self.weight_shift = shift
+        return weight, self.weight_sum + weight
+
+    def finish_micro_batch(self, opt, weight: float, weight_sum: float, closing: bool,
+                           updated_in_hooks: set | None = None) -> None:
+        """in_backward: the micro-batch begun by begin_micro_batch has all its gradients in.
+        Counts it; on the window's last micro-batch, closes the window (``updated_in_hooks``:
+        the parameters its hooks already updated, when it was folded into the update)."""
+        self.micro_step += 1
+        self.weight_sum = weight_sum
+        if self.shards is not None and opt.accumulation_steps > 1:
+            self.late_weights.append(None)  # opt.backward put the weight into the loss
+        if not closing:
+            self.updated = False
+        elif updated_in_hooks is not None:
+            self.close_folded(opt, updated_in_hooks, weight, weight_sum)
+        else:
+            self.close(opt, (), weight, None)
+
+    def hold_grads(self) -> None:
+        """A micro-batch arrived without gradients: with FSDP2 they were held back
+        (set_requires_gradient_sync(False)) and arrive summed with a later one's."""
+        self.grads_held |= self.shards is not None
 
     def accumulate(self, pairs, weight: float, grad_scale: Tensor | None, backend_for,
                    norm_weight_sum: float | None = None) -> dict[Tensor, Tensor]:
