@@ -8,13 +8,15 @@ delegate: the open window and its closing to ``window.py``, backward passes to
 ``in_backward.py``, checkpoint layouts to ``checkpoint.py``, ranks to ``distributed.py``.
 
 Must not: do window arithmetic, per-element math or per-class update math (``_update`` is
-the subclasses', as is GradientAccumulator's ``_apply_window``), or hold any of the window's
-state outside ``_window``.
+the subclasses', as is GradientAccumulator's ``_apply_window``; here only which parameters an
+update takes and how they group into backend calls), or hold any of the window's state
+outside ``_window``.
 """
 from __future__ import annotations
 
 import math
 import numbers
+from collections import defaultdict
 from typing import Any, Callable
 
 import torch
@@ -22,7 +24,7 @@ from torch import Tensor
 
 from . import backends, checkpoint, distributed, in_backward as hooks
 from .checkpoint import called_from_torch_checkpoint
-from .layout import is_dtensor, state_dtype
+from .layout import is_dtensor, kernel_view, state_dtype
 from .window import Window
 
 
@@ -53,8 +55,8 @@ class AccumulatingOptimizer:
     """The entry points shared by SGD, Adam, AdamW and GradientAccumulator.
 
     The open window is ``self._window`` (window.Window), created once and never re-bound.
-    Subclasses implement ``_apply_window`` (SGD/Adam/AdamW: ``Window.update_params``, which
-    calls their ``_update`` per backend call; GradientAccumulator: write ``.grad``, inner step).
+    Subclasses implement ``_update`` (one backend call: SGD's or Adam's state and math), or
+    override ``_apply_window`` (GradientAccumulator: the window gradient into ``.grad``, inner step).
     """
 
     # torch.amp.GradScaler.step: hand us grad_scale / found_inf instead of unscaling .grad.
@@ -286,8 +288,28 @@ class AccumulatingOptimizer:
 
     # --------------------------------------------------------------------------- updating
     def _apply_window(self, last_grads, last_weight, grad_scale, weight_sum, clip_coef) -> None:
-        """Update every live parameter with the window gradient (Window.close calls this)."""
-        self._window.update_params(self, last_grads, last_weight, grad_scale, weight_sum, clip_coef)
+        """SGD/Adam/AdamW (Window.close calls this): update every parameter of the window with
+        its gradient (the last micro-batch folded in where ``last_grads`` holds it), group by
+        group, in ``_update`` calls that share (device, dtype), the call key (Adam's step count)
+        and how the last micro-batch folds in."""
+        win = self._window
+        for group in self.param_groups:
+            calls = defaultdict(list)
+            for p in group["params"]:
+                grad = last_grads.get(p)
+                if grad is None and p not in win.live:
+                    continue  # no gradient all window: left alone, as torch leaves it
+                win.buffer(p)
+                fold = None if grad is None else (grad.dtype, p not in win.live)
+                calls[(p.device, p.dtype, self._call_key(p), fold)].append(p)
+            for (_, _, _, fold), params in calls.items():
+                last = {}
+                if fold is not None:
+                    last = dict(grads=[kernel_view(last_grads[p]) for p in params], weight=last_weight,
+                                overwrite=fold[1], grad_scale=grad_scale)
+                self._update(self._backend_for(params[0]), group, params,
+                             [kernel_view(win.buffers[p]) for p in params],
+                             weight_sum=weight_sum, clip_coef=clip_coef, **last)
 
     def _call_key(self, p: Tensor):
         """Extra key for parameters that cannot share one backend call (none by default)."""

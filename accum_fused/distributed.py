@@ -3,8 +3,9 @@
 Owns: process groups (checks, broadcast of parameters), DDP detection and switching its
 per-backward sync off, the flat buffers and the once-per-window reduction of replicas
 (``WindowSync``: bucketed, overlapped with the last backward in mode B), and FSDP2's mesh and
-once-per-window agreement (``shard_mesh``, ``ShardSync``). Must not: know about optimizers or
-windows; it gets parameters, buffers and numbers, and returns what the ranks agreed on.
+once-per-window agreement (``shard_mesh``, ``ShardSync``: closing a sharded window). Must not:
+know about optimizers or windows; it gets parameters, buffers, numbers and a backend lookup,
+and returns what the ranks agreed on.
 
 With ``process_group=...`` an optimizer keeps its fp32 accumulation buffers as views into one
 flat tensor per (device, buffer dtype) ("segments", in parameter order, as DDP's buckets with
@@ -39,6 +40,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
+
+from .layout import kernel_view
 
 # DDP's 25 MiB default is sized to overlap buckets with backward. In the plain mode nothing
 # overlaps (the reduce follows the window's last step()), so buckets only bound the number of
@@ -444,6 +447,34 @@ class ShardSync:
         self.owner = owner
         self.group = mesh.get_group()
         self.size = mesh.size()
+
+    @torch.no_grad()
+    def agree(self, live: list[Tensor], buffers: dict[Tensor, Tensor], backend_for, device: torch.device,
+              weight_sum: float, flushing: bool, late_weights: list[float | None], grads_held: bool,
+              window_length: int) -> tuple[float, Tensor | None]:
+        """Collective: close a window of sharded buffers. ``live``: the parameters with a
+        gradient in it, in parameter order; ``buffers[p]`` their local shards' sums. Returns (the
+        divisor W / N, the window gradient's global norm as a 0-dim fp32 tensor; None when the
+        window is empty on every rank)."""
+        if grads_held and len(set(late_weights)) > 1:  # late weights, or late and in-loss mixed
+            raise RuntimeError(
+                "a micro-batch's gradients were held back by FSDP2 (set_requires_gradient_sync(False)) and arrived "
+                "summed with a later one's, but the window's weights, given after backward, differ: pass each "
+                f"weight before its backward with {self.owner}.backward(loss, weight=w), then step()"
+            )
+        by_kind = defaultdict(list)
+        for p in live:
+            by_kind[(p.device, p.dtype)].append(p)
+        sq_norm = None
+        for members in by_kind.values():
+            norms = backend_for(members[0]).window_norms(
+                buffers=[kernel_view(buffers[p]) for p in members], weight_sum=1.0)
+            part = norms.to(torch.float64).square().sum()
+            sq_norm = part if sq_norm is None else sq_norm + part.to(sq_norm.device)
+        divisor, sq_norm = self.reduce_window(device, weight_sum, sq_norm, flushing, late_weights, window_length)
+        if divisor <= 0:
+            return divisor, None
+        return divisor, (sq_norm.sqrt() / divisor).float()
 
     @torch.no_grad()
     def reduce_window(self, device: torch.device, weight_sum: float, sq_norm: Tensor | None, flushing: bool,

@@ -13,8 +13,8 @@ update, for plain, synchronised and sharded windows alike), ``discard``.
 Must not: read ``.grad`` or touch hooks (the optimizer and in_backward.py hand gradients in),
 or do per-element math (backends do). It asks its optimizer, passed to the verbs that need it,
 for ``_all_params()``, ``_backend_for(p)``, ``_apply_window(...)`` (the update: SGD/Adam's
-math or GradientAccumulator's inner step), ``_call_key(p)`` / ``_update(...)`` (the update of
-a set of parameters), ``state``, ``accumulation_steps``, ``max_grad_norm``, ``in_backward``.
+backend calls or GradientAccumulator's inner step), ``state``, ``accumulation_steps``,
+``max_grad_norm``, ``in_backward``.
 It holds no reference to the optimizer, so a framework wrapper that copies the optimizer's
 ``__dict__`` (Lightning's LightningOptimizer) reaches the same window instead of splitting it.
 """
@@ -313,32 +313,16 @@ class Window:
         return self.weight_sum, self.found_inf is not None and bool(self.found_inf.item() > 0), None
 
     def _agree_sharded(self, opt, flushing: bool) -> tuple[float, bool, Tensor | None]:
-        """FSDP2: agree with the mesh's other ranks on the window (see distributed.ShardSync).
-        Returns (the divisor W / N, skip, clip coefficient or None). The window's global norm is
-        measured whether or not it clips, so that a non-finite value in any rank's shard skips
-        the window on every rank instead of updating some shards and not others."""
-        if self.grads_held and len(set(self.late_weights)) > 1:  # late weights, or late and in-loss mixed
-            raise RuntimeError(
-                "a micro-batch's gradients were held back by FSDP2 (set_requires_gradient_sync(False)) and arrived "
-                "summed with a later one's, but the window's weights, given after backward, differ: pass each "
-                f"weight before its backward with {type(opt).__name__}.backward(loss, weight=w), then step()"
-            )
+        """FSDP2 (distributed.ShardSync.agree): (the divisor W / N, skip, clip coefficient or
+        None). The window's global norm is measured whether or not it clips, so that a
+        non-finite value in any rank's shard skips the window on every rank instead of updating
+        some shards and not others."""
         params = opt._all_params()
-        by_kind = defaultdict(list)
-        for p in params:
-            if p in self.live:
-                by_kind[(p.device, p.dtype)].append(p)
-        sq_norm = None
-        for members in by_kind.values():
-            norms = opt._backend_for(members[0]).window_norms(
-                buffers=[kernel_view(self.buffers[p]) for p in members], weight_sum=1.0)
-            part = norms.to(torch.float64).square().sum()
-            sq_norm = part if sq_norm is None else sq_norm + part.to(sq_norm.device)
-        divisor, sq_norm = self.shards.reduce_window(params[0].device, self.weight_sum, sq_norm, flushing,
-                                                     self.late_weights, opt.accumulation_steps)
+        divisor, total_norm = self.shards.agree(
+            [p for p in params if p in self.live], self.buffers, opt._backend_for, params[0].device, self.weight_sum,
+            flushing, self.late_weights, self.grads_held, opt.accumulation_steps)
         if divisor <= 0:
             return divisor, False, None
-        total_norm = (sq_norm.sqrt() / divisor).float()
         if not math.isfinite(total_norm.item()):
             return divisor, True, None
         if opt.max_grad_norm is None:
@@ -362,29 +346,6 @@ class Window:
         total_norm = torch.linalg.vector_norm(torch.stack([norms[p].to(live[0].device) for p in live]))
         self.last_grad_norm = total_norm
         return torch.clamp(opt.max_grad_norm / (total_norm + 1e-6), max=1.0)
-
-    def update_params(self, opt, last_grads, last_weight, grad_scale, weight_sum, clip_coef) -> None:
-        """SGD/Adam/AdamW's update of every live parameter with the window gradient (the last
-        micro-batch folded in where ``last_grads`` holds it), group by group, in backend calls
-        that share (device, dtype), the optimizer's call key (Adam's step count) and how the
-        last micro-batch folds in."""
-        for group in opt.param_groups:
-            calls = defaultdict(list)
-            for p in group["params"]:
-                grad = last_grads.get(p)
-                if grad is None and p not in self.live:
-                    continue  # no gradient all window: left alone, as torch leaves it
-                self.buffer(p)
-                fold = None if grad is None else (grad.dtype, p not in self.live)
-                calls[(p.device, p.dtype, opt._call_key(p), fold)].append(p)
-            for (_, _, _, fold), params in calls.items():
-                last = {}
-                if fold is not None:
-                    last = dict(grads=[kernel_view(last_grads[p]) for p in params], weight=last_weight,
-                                overwrite=fold[1], grad_scale=grad_scale)
-                opt._update(opt._backend_for(params[0]), group, params,
-                            [kernel_view(self.buffers[p]) for p in params],
-                            weight_sum=weight_sum, clip_coef=clip_coef, **last)
 
 
 def _conform_state(opt, p: Tensor) -> None:
