@@ -18,6 +18,7 @@ Each hook holds its optimizer weakly: when the optimizer is collected, its hooks
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Callable
 
@@ -129,7 +130,7 @@ def take_grad(opt, p: Tensor) -> None:
     mb = win.backward_pass
     if mb is None:
         mb = begin_pass(opt)
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: end_pass(opt))
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(end_pass, opt))
     if p in mb.seen:
         raise RuntimeError(
             f"{opt._param_name(p)} received two gradients in one backward pass (its post-accumulate-grad hook "

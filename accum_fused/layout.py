@@ -1,6 +1,7 @@
 """What accum_fused keeps per parameter, and what a backend sees of it.
 
-Owns: the dtype of accumulation buffers and optimizer state (``state_dtype``), the view a
+Owns: the dtype of accumulation buffers and optimizer state (``state_dtype``, and
+``conform_state``: state that follows its parameters' dtype and device), the view a
 backend gets of a parameter, gradient, buffer or state tensor (``kernel_view``: a DTensor's
 local shard, a complex tensor as real), and the way back (``like_param``).
 Must not: know about optimizers, windows or process groups; it depends on torch alone, so
@@ -23,6 +24,26 @@ def state_dtype(param: Tensor) -> torch.dtype:
     if param.is_complex():
         return torch.complex128 if param.dtype == torch.complex128 else torch.complex64
     return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def conform_state(state, params, name_of) -> None:
+    """Optimizer ``state`` (torch's per-parameter dicts) follows its parameters: elementwise
+    entries are moved to ``state_dtype(p)`` and ``p``'s device after a ``model.to(...)``; an
+    entry of another shape came from another model's checkpoint and raises (``name_of(p)``
+    names the parameter)."""
+    for p in params:
+        p_state = state.get(p, {})
+        for key in ELEMENTWISE_STATE:
+            value = p_state.get(key)
+            if not isinstance(value, Tensor):
+                continue
+            if value.shape != p.shape:
+                raise ValueError(
+                    f"optimizer state {key!r} of {name_of(p)} has shape {tuple(value.shape)}: the loaded "
+                    "state_dict belongs to another model; load one saved from this model's optimizer"
+                )
+            if value.dtype != state_dtype(p) or value.device != p.device:
+                p_state[key] = value.to(device=p.device, dtype=state_dtype(p))
 
 
 def is_dtensor(t: Tensor) -> bool:

@@ -26,7 +26,7 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
-from .layout import ELEMENTWISE_STATE, kernel_view, state_dtype
+from .layout import conform_state, kernel_view, state_dtype
 
 # Weights are kept in units of 2**shift, shift a multiple of _WEIGHT_BAND, so that any finite
 # positive weight fits the fp32 buffers (uniform 1e-46 weights underflowed fp32 to a zero update,
@@ -251,8 +251,8 @@ class Window:
                     raise RuntimeError(f"{opt._param_name(p)} changed shape in the middle of a window")
                 else:
                     self.buffers[p] = buf.to(device=p.device, dtype=state_dtype(p))
-            if closing:
-                _conform_state(opt, p)
+        if closing:
+            conform_state(opt.state, params, opt._param_name)  # the update reads the state next
 
     # ------------------------------------------------------------------------- closing
     def close(self, opt, last_pairs=(), last_weight: float = 1.0, grad_scale: Tensor | None = None,
@@ -346,20 +346,3 @@ class Window:
         total_norm = torch.linalg.vector_norm(torch.stack([norms[p].to(live[0].device) for p in live]))
         self.last_grad_norm = total_norm
         return torch.clamp(opt.max_grad_norm / (total_norm + 1e-6), max=1.0)
-
-
-def _conform_state(opt, p: Tensor) -> None:
-    """The optimizer's elementwise state follows ``p``'s dtype and device (the update reads it);
-    a state of another shape came from another model's checkpoint."""
-    state = opt.state.get(p, {})
-    for key in ELEMENTWISE_STATE:
-        value = state.get(key)
-        if not isinstance(value, Tensor):
-            continue
-        if value.shape != p.shape:
-            raise ValueError(
-                f"optimizer state {key!r} of {opt._param_name(p)} has shape {tuple(value.shape)}: the "
-                "loaded state_dict belongs to another model; load one saved from this model's optimizer"
-            )
-        if value.dtype != state_dtype(p) or value.device != p.device:
-            state[key] = value.to(device=p.device, dtype=state_dtype(p))
