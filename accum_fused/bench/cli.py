@@ -120,11 +120,7 @@ def window_main(argv=None, results_dir: Path | None = None) -> int:
     print(f"device {device_name} ({device.type}), torch {torch.__version__}, threads {threads}, "
           f"accum_fused {__version__} [{', '.join(backend_names) or 'no backend'}]"
           + (f"; skipped {skipped}" if skipped else ""), flush=True)
-    bandwidth = bandwidth_probes(device, args.copy_numel, timer)
-    copy, add = bandwidth["copy"], bandwidth["add_"]
-    print(f"bandwidth on {args.copy_numel:,} fp32 (median of {len(copy['times_ms'])}): copy_ {copy['gbps']:.1f} GB/s "
-          f"(best {copy['best_gbps']:.1f}), in-place add_ {add['gbps']:.1f} GB/s (best {add['best_gbps']:.1f})",
-          flush=True)
+    copy, add = _window_bandwidth(device, args.copy_numel, timer)
 
     init, grads = make_tensors(shapes, device, dtype, grad_sets, args.seed)
     contenders = [Native(init, grads, args.k, max_grad_norm, impl)]
@@ -162,6 +158,16 @@ def window_main(argv=None, results_dir: Path | None = None) -> int:
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def _window_bandwidth(device: torch.device, numel: int, timer: Timer) -> tuple[dict, dict]:
+    """The copy_ and add_ probes on ``numel`` fp32 elements, printed with their best times."""
+    bandwidth = bandwidth_probes(device, numel, timer)
+    copy, add = bandwidth["copy"], bandwidth["add_"]
+    print(f"bandwidth on {numel:,} fp32 (median of {len(copy['times_ms'])}): copy_ {copy['gbps']:.1f} GB/s "
+          f"(best {copy['best_gbps']:.1f}), in-place add_ {add['gbps']:.1f} GB/s (best {add['best_gbps']:.1f})",
+          flush=True)
+    return copy, add
 
 
 def _print_window_table(args, numel: int, max_grad_norm, results: list[dict], native_label: str, copy: dict,
