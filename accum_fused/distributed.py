@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import gc
 import math
-import warnings
+import weakref
 from collections import defaultdict
 from typing import Callable, Iterable, Iterator
 
@@ -126,8 +126,9 @@ def ddp_modules_holding(params: Iterable[Tensor]) -> list:
     """The live DistributedDataParallel modules that wrap any of ``params``.
 
     DDP marks nothing on a parameter, so this walks the garbage collector's objects once
-    (tens of milliseconds in a large program; done at construction and at the first sync).
-    ``type()`` rather than ``isinstance`` so that no proxy object's ``__class__`` is evaluated.
+    (tens of milliseconds in a large program; done once, at construction, and only when
+    torch.distributed is initialized). ``type()`` rather than ``isinstance`` so that no proxy
+    object's ``__class__`` is evaluated.
     """
     dist = _dist()
     if not (dist.is_available() and dist.is_initialized()):
@@ -136,42 +137,133 @@ def ddp_modules_holding(params: Iterable[Tensor]) -> list:
 
     ids = {id(p) for p in params}
     return [obj for obj in gc.get_objects()
-            if issubclass(type(obj), DistributedDataParallel)
-            and any(id(p) in ids for p in obj.module.parameters())]
+            if issubclass(type(obj), DistributedDataParallel) and wraps_any(obj, ids)]
 
 
-def take_over_from_ddp(owner: str, params: list[Tensor]) -> list:
-    """With a process_group, DDP's all-reduce after every backward would reduce the gradients
-    twice (and average them with equal weight per rank). Turn DDP's gradient sync off, as
-    ``no_sync()`` does for one micro-batch, and say so once."""
-    modules = ddp_modules_holding(params)
-    for ddp in modules:
-        if ddp.require_backward_grad_sync:
-            ddp.require_backward_grad_sync = False
-            warnings.warn(
-                f"accum_fused: {owner}(process_group=...) synchronises gradients once per window; the "
-                "parameters belong to a DistributedDataParallel module, whose gradient all-reduce after "
-                "every backward is now turned off (as under ddp_model.no_sync()). DDP still broadcasts "
-                "buffers in forward. To avoid this message, optimize the unwrapped model without DDP.",
-                stacklevel=4,
+def wraps_any(ddp, param_ids: set) -> bool:
+    return any(id(p) in param_ids for p in ddp.module.parameters())
+
+
+# ------------------------------------------------------------------------------------ DDP
+# An accumulating optimizer whose parameters belong to a DistributedDataParallel module owns
+# the window's reduction: DDP's per-backward all-reduce is turned off (as ``no_sync()`` does)
+# for as long as an optimizer owns it, and the optimizer all-reduces its fp32 window once per
+# update (WindowSync). DDP reads ``require_backward_grad_sync`` in forward to decide whether
+# the next backward reduces, so the flag is set in a forward pre-hook on the DDP module, before
+# every forward: a ``no_sync()`` block (HF Trainer and accelerate use one for all but a window's
+# last micro-batch) restores the flag it found when it exits, and the next forward must not
+# reduce either.
+#
+# Models are often wrapped after the optimizer is built (HF Trainer wraps in train(),
+# accelerate in prepare()). Until its first window closes, an optimizer without a DDP module
+# therefore watches every module's forward (one global forward pre-hook, shared, removed when no
+# optimizer watches any more) for a DDP module that wraps its parameters: that forward precedes
+# the first backward DDP could reduce.
+
+class _DdpOwnership:
+    """The accum_fused optimizers that took over one DDP module's gradient sync."""
+
+    def __init__(self, ddp):
+        self.owners: list[Callable[[], list[Tensor] | None]] = []  # weak: each an owner's params, or None
+        self.checked = False  # every trainable parameter has an owner (checked at the next forward)
+        self.handle = ddp.register_forward_pre_hook(_keep_ddp_sync_off)
+
+    def check(self, ddp) -> None:
+        owned = set()
+        for params_of in self.owners:
+            owned.update(id(p) for p in params_of() or ())
+        orphans = [name for name, p in ddp.module.named_parameters() if p.requires_grad and id(p) not in owned]
+        if orphans:
+            raise RuntimeError(
+                f"accum_fused synchronises its optimizers' gradients once per window and has turned this "
+                f"DistributedDataParallel module's per-backward all-reduce off, but {len(orphans)} of its trainable "
+                f"parameters (e.g. {orphans[0]!r}) belong to no accum_fused optimizer and would never be reduced: "
+                "give every trainable parameter of the DDP model to accum_fused optimizers (param groups, or a "
+                "GradientAccumulator around the other optimizer), or freeze them"
             )
-    return modules
+        self.checked = True
 
 
-def warn_if_ddp_without_sync(owner: str, params: list[Tensor]) -> None:
-    """Without a process_group, DDP averages every micro-batch across ranks with equal weight,
-    so ranks whose ``step(weight=...)`` differ would apply different updates: say so."""
-    for ddp in ddp_modules_holding(params):
-        if ddp.require_backward_grad_sync:
-            warnings.warn(
-                f"accum_fused: the parameters of this {owner} belong to a DistributedDataParallel module, "
-                "which all-reduces every micro-batch's gradients with equal weight per rank: ranks stay "
-                "in step only if they pass the same step(weight=...) values. Pass "
-                "process_group=ddp_model.process_group to synchronise once per window, weighted, with "
-                "k times less traffic.",
-                stacklevel=4,
-            )
+_ddp_owned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_ddp_watchers: list[weakref.WeakMethod] = []
+_watch_handle = None
+
+
+def _keep_ddp_sync_off(ddp, args) -> None:
+    ddp.require_backward_grad_sync = False
+    ownership = _ddp_owned.get(ddp)
+    if ownership is not None and not ownership.checked:
+        ownership.check(ddp)
+
+
+def own_ddp_sync(ddp, params_of: Callable[[], list[Tensor] | None]) -> Callable[[], None]:
+    """Turn ``ddp``'s per-backward all-reduce off for an optimizer whose parameters it wraps
+    (``params_of``: a weak accessor of the optimizer's parameters). Returns the release: when
+    the last owner releases, DDP's hook goes and its sync is back on."""
+    ownership = _ddp_owned.get(ddp)
+    if ownership is None:
+        ownership = _ddp_owned[ddp] = _DdpOwnership(ddp)
+    ownership.owners.append(params_of)
+    ownership.checked = False
+    ddp.require_backward_grad_sync = False
+    ddp_ref = weakref.ref(ddp)
+
+    def release() -> None:
+        module = ddp_ref()
+        if module is None or module not in _ddp_owned:
             return
+        ownership.owners.remove(params_of)
+        if not ownership.owners:
+            ownership.handle.remove()
+            del _ddp_owned[module]
+            module.require_backward_grad_sync = True
+
+    return release
+
+
+def _watch_forward(module, args) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(module, DistributedDataParallel):
+        return
+    for ref in list(_ddp_watchers):
+        found = ref()
+        if found is None or found(module):  # collected, or it took this DDP module
+            unwatch_ddp(ref)
+    # Checked once every watcher had its turn (two optimizers may share one DDP module).
+    _keep_ddp_sync_off(module, args) if module in _ddp_owned else None
+
+
+def watch_for_ddp(found: Callable) -> weakref.WeakMethod:
+    """Call the bound method ``found(ddp)`` before the forward of every DistributedDataParallel
+    module until it returns True or ``unwatch_ddp`` is called (held weakly)."""
+    global _watch_handle
+    ref = weakref.WeakMethod(found)
+    _ddp_watchers.append(ref)
+    if _watch_handle is None:
+        _watch_handle = torch.nn.modules.module.register_module_forward_pre_hook(_watch_forward)
+    return ref
+
+
+def unwatch_ddp(ref: weakref.WeakMethod) -> None:
+    global _watch_handle
+    if ref in _ddp_watchers:
+        _ddp_watchers.remove(ref)
+    if not _ddp_watchers and _watch_handle is not None:
+        _watch_handle.remove()
+        _watch_handle = None
+
+
+def check_same_ranks(process_group, ddp, owner: str) -> None:
+    """An explicit process_group must span the ranks DDP reduces over."""
+    dist = _dist()
+    ours, theirs = dist.get_process_group_ranks(process_group), dist.get_process_group_ranks(ddp.process_group)
+    if ours != theirs:
+        raise ValueError(
+            f"{owner}(process_group=...) spans ranks {ours}, but the DistributedDataParallel module holding its "
+            f"parameters reduces over ranks {theirs}: leave process_group unset (the optimizer then uses the DDP "
+            "module's group) or pass ddp_model.process_group"
+        )
 
 
 class _OverlappedReduce:
@@ -196,17 +288,17 @@ class WindowSync:
         self.buffers: dict[Tensor, Tensor] = {}
         # per segment: (flat tensor, [(param, start, end)] in flat order, contiguous)
         self.segments: list[tuple[Tensor, list[tuple[Tensor, int, int]]]] = []
-        self.ddp_modules: list = []
-        self._ddp_checked_at_sync = False
         self._fixed: list[tuple[Tensor, list[Tensor]]] | None = None  # overlap buckets, built lazily
         self._overlap: _OverlappedReduce | None = None  # the window whose reduce is under way
 
-    def add_params(self, params: list[Tensor], buffer_dtype: Callable[[Tensor], torch.dtype]) -> None:
-        """Broadcast new parameters from the first rank and give them buffers in new segments.
-        Every rank must call this with the same parameters in the same order."""
+    def add_params(self, params: list[Tensor], buffer_dtype: Callable[[Tensor], torch.dtype],
+                   broadcast: bool = True) -> None:
+        """Broadcast new parameters from the first rank (unless DDP did) and give them buffers in
+        new segments. Every rank must call this with the same parameters in the same order."""
         params = [p for p in params if p not in self.buffers]
         check_devices(self.group, params)
-        broadcast_parameters(params, self.group)
+        if broadcast:
+            broadcast_parameters(params, self.group)
         by_kind = defaultdict(list)
         for p in params:
             by_kind[(p.device, buffer_dtype(p))].append(p)
@@ -222,7 +314,6 @@ class WindowSync:
                 start += p.numel()
             self.segments.append((flat, entries))
         self._fixed = None
-        self.ddp_modules += take_over_from_ddp(self.owner, params)
 
     def _buckets(self, live: set) -> Iterator[Tensor]:
         """Slices of the flat segments covering exactly the ``live`` parameters, each at most
@@ -334,18 +425,6 @@ class WindowSync:
         """The small fp64 all-reduce: (global weight total in the common band's units, any rank
         non-finite, parameters live on some rank, the common band's shift)."""
         dist = _dist()
-        if not self._ddp_checked_at_sync:
-            # A model wrapped in DDP after this optimizer was built has been syncing every
-            # micro-batch of this window: its gradients were averaged before we saw them.
-            self._ddp_checked_at_sync = True
-            late = [m for m in ddp_modules_holding(params) if m.require_backward_grad_sync]
-            if late:
-                raise RuntimeError(
-                    f"accum_fused: the model was wrapped in DistributedDataParallel after this {self.owner} "
-                    "was created with a process_group, so DDP all-reduced every micro-batch of this window "
-                    "as well: build the optimizer after wrapping the model (it then turns DDP's per-backward "
-                    "sync off), or do not wrap the model in DDP"
-                )
         device = params[0].device
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         # Each rank's weight band in its own slot (offset so that 0 means "no micro-batch"): the

@@ -225,6 +225,16 @@ class Window:
                            overwrite=p not in self.live)
         self.live.add(p)
 
+    def join_ranks(self, sync) -> None:
+        """The window's buffers move into ``sync``'s flat storage (a DDP module's group, taken
+        over after construction): micro-batches already taken were not reduced, so their sums
+        are reduced with the rest of the window."""
+        for p in self.live:
+            sync.buffers[p].copy_(self.buffers[p])
+        self.buffers = sync.buffers
+        self.adopted.clear()
+        self.sync = sync
+
     def adopt(self, p: Tensor, grad: Tensor) -> None:
         """Zero-copy first micro-batch: autograd's fresh gradient becomes ``p``'s buffer."""
         self.buffers[p] = grad
@@ -274,6 +284,7 @@ class Window:
                 self.update_count += 1
         finally:
             self.discard()
+            opt._window_closed()
         self.updated = applied
         return applied
 
@@ -289,6 +300,7 @@ class Window:
             self.update_count += self.updated
         finally:
             self.discard()
+            opt._window_closed()
 
     def discard(self) -> None:
         """Empty the window (counters of past updates stay; buffers stay allocated, stale)."""

@@ -211,39 +211,116 @@ def resume_mid_window(name, rank, backend, group, data):
         assert torch.equal(a, b), f"param {i}: resumed run differs by {(a - b).abs().max().item()}"
 
 
-def ddp_model(name, rank, backend, group, data):
-    """A model wrapped in DistributedDataParallel: the optimizer turns DDP's per-backward
-    all-reduce off (saying so) and the result is still the big batch."""
+def _ddp_window_loss(model, batch, window_samples: int) -> torch.Tensor:
+    """Mode A under DDP, as transformers' Trainer scales it: the micro-batch's share of the
+    window's samples over every rank, times the world size (DDP averages over the ranks)."""
+    return micro_loss(model, batch) * (len(batch[0]) * dist.get_world_size() / window_samples)
+
+
+def _train_ddp(mode, ddp, opt, data, rank, window) -> None:
+    """One window of the own loop through a DDP model: plain (``step(weight=)``), mode B
+    (``opt.backward(loss, weight=)``) or mode A (loss scaled by the global sample count, summed
+    by the hooks, one ``step()``)."""
+    if mode != "A":
+        train(ddp, opt, data[rank][window])
+        return
+    window_samples = sum(len(b[0]) for rank_data in data for b in rank_data[window])
+    for batch in data[rank][window]:
+        _ddp_window_loss(ddp, batch, window_samples).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _ddp_own_loop(mode, name, rank, backend, group, data, wrap_first: bool, explicit_group: bool = False):
+    """A DistributedDataParallel model and an accum_fused optimizer without a process_group, in the
+    own loop: the optimizer takes DDP's group and turns its per-backward all-reduce off
+    (``wrap_first``: built after wrapping, found by its parameters; otherwise built first, found
+    at DDP's first forward, the HF Trainer / accelerate order). Every rank ends bit-identical and
+    on the single-process big batch, the partial last window included; no warning."""
+    make, make_torch, clip = OPTIMIZERS[name]
     model = Net(seed=100 + rank)
-    ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        opt = _build(name, ddp.module, rank, backend, group)
-    assert any("DistributedDataParallel" in str(w.message) for w in caught), [str(w.message) for w in caught]
-    assert ddp.require_backward_grad_sync is False
-    for window in range(FULL_WINDOWS + 1):
-        train(ddp, opt, data[rank][window])  # forward through DDP, as a DDP user does
-    assert opt.flush()
-    _, make_torch, clip = OPTIMIZERS[name]
-    check_close(list(model.parameters()), reference_params(make_torch, data, clip), name)
+    k = 1 if mode == "A" else STEPS_PER_RANK[rank]
+    kwargs = dict(accumulation_steps=k, backend=backend)
+    if mode != "plain":
+        kwargs["in_backward"] = True
+    if explicit_group:
+        kwargs["process_group"] = group
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about: this is the supported path
+        if wrap_first:
+            ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+            opt = make(model.parameters(), **kwargs)
+            assert ddp.require_backward_grad_sync is False
+        else:
+            opt = make(model.parameters(), **kwargs)
+            ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+        for window in range(FULL_WINDOWS + 1):
+            if mode == "A" and window == 1:
+                with ddp.no_sync():  # a no_sync() block restores the flag it found: DDP must stay off
+                    _train_ddp(mode, ddp, opt, data, rank, window)
+            else:
+                _train_ddp(mode, ddp, opt, data, rank, window)
+            assert ddp.require_backward_grad_sync is False
+            if window < FULL_WINDOWS:
+                assert opt.updated and opt.update_count == window + 1, (opt.updated, opt.update_count)
+    if mode != "A":
+        assert opt.flush()
+    assert opt.update_count == FULL_WINDOWS + 1
+    assert opt.process_group is not None
+    assert all(p.grad is None for p in model.parameters()) or mode == "plain"
+    check_close(list(model.parameters()), reference_params(make_torch, data, clip), f"{name} mode {mode}")
     check_ranks_identical(list(model.parameters()))
 
 
-def ddp_wrapped_after_optimizer(name, rank, backend, group, data):
-    """DDP wrapping after the optimizer was built has reduced the window already: the first
-    boundary raises on both ranks (and applies nothing)."""
+def ddp_plain(name, rank, backend, group, data):
+    for wrap_first in (True, False):
+        _ddp_own_loop("plain", name, rank, backend, group, data, wrap_first)
+
+
+def ddp_mode_a(name, rank, backend, group, data):
+    for wrap_first in (True, False):
+        _ddp_own_loop("A", name, rank, backend, group, data, wrap_first)
+
+
+def ddp_mode_b(name, rank, backend, group, data):
+    for wrap_first in (True, False):
+        _ddp_own_loop("B", name, rank, backend, group, data, wrap_first)
+
+
+def ddp_explicit_group(name, rank, backend, group, data):
+    """process_group=... given as well (the earlier recipe): the same, wrapped before or after."""
+    for wrap_first in (True, False):
+        _ddp_own_loop("plain", name, rank, backend, group, data, wrap_first, explicit_group=True)
+
+
+def ddp_unowned_parameters(name, rank, backend, group, data):
+    """Part of the DDP model trained by another (torch.optim) optimizer: turning DDP's sync off
+    would leave that part unreduced, so DDP's first forward raises on every rank, naming the fix."""
     model = Net(seed=100 + rank)
-    opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=2, process_group=group, backend=backend)
-    ddp = nn.parallel.DistributedDataParallel(model, process_group=group, find_unused_parameters=True)
-    before = [p.detach().clone() for p in model.parameters()]
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+    opt = accum_fused.SGD(list(model.body.parameters()) + list(model.head.parameters()), lr=0.1,
+                          accumulation_steps=2, backend=backend)
+    torch.optim.SGD(model.aux.parameters(), lr=0.1)
     try:
-        # DDP reduces in every backward: both ranks must run the same number of them
-        train(ddp, opt, [(x, y, False) for x, y, _ in data[rank][0][:2]])
+        train(ddp, opt, data[rank][0][:1])
     except RuntimeError as exc:
-        assert "after this" in str(exc) and "DistributedDataParallel" in str(exc), str(exc)
+        assert "'aux.weight'" in str(exc) and "no accum_fused optimizer" in str(exc), str(exc)
     else:
-        raise AssertionError("no error for a model wrapped in DDP after the optimizer")
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        raise AssertionError("no error for DDP parameters outside the accum_fused optimizer")
+
+
+def ddp_released_with_optimizer(name, rank, backend, group, data):
+    """When the optimizer is collected (a notebook rebuilding it), DDP's own sync comes back."""
+    import gc
+
+    model = Net(seed=100 + rank)
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+    opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=2, backend=backend)
+    assert ddp.require_backward_grad_sync is False
+    del opt
+    gc.collect()
+    assert ddp.require_backward_grad_sync is True
+    assert not ddp._forward_pre_hooks
 
 
 def empty_flush(name, rank, backend, group, data):
@@ -425,8 +502,12 @@ SCENARIOS = {
     "big_batch": (big_batch, list(OPTIMIZERS)),
     "inf_skips_window": (inf_skips_window, ["AdamW-clip", "wrapped-RMSprop-clip"]),
     "resume_mid_window": (resume_mid_window, ["AdamW-clip", "SGD-nesterov", "wrapped-RMSprop-clip"]),
-    "ddp_model": (ddp_model, ["AdamW-clip"]),
-    "ddp_wrapped_after_optimizer": (ddp_wrapped_after_optimizer, ["SGD-nesterov"]),
+    "ddp_plain": (ddp_plain, ["AdamW-clip", "wrapped-RMSprop-clip"]),
+    "ddp_mode_a": (ddp_mode_a, ["AdamW-clip", "SGD-nesterov"]),
+    "ddp_mode_b": (ddp_mode_b, ["AdamW-clip"]),
+    "ddp_explicit_group": (ddp_explicit_group, ["AdamW-clip"]),
+    "ddp_unowned_parameters": (ddp_unowned_parameters, ["SGD-nesterov"]),
+    "ddp_released_with_optimizer": (ddp_released_with_optimizer, ["SGD-nesterov"]),
     "empty_flush": (empty_flush, ["SGD-nesterov"]),
     "mismatched_windows": (mismatched_windows, ["SGD-nesterov"]),
     "in_backward_big_batch": (in_backward_big_batch, ["SGD-nesterov", "AdamW-clip"]),
