@@ -230,8 +230,8 @@ def _watch_forward(module, args) -> None:
         found = ref()
         if found is None or found(module):  # collected, or it took this DDP module
             unwatch_ddp(ref)
-    # Checked once every watcher had its turn (two optimizers may share one DDP module).
-    _keep_ddp_sync_off(module, args) if module in _ddp_owned else None
+    if module in _ddp_owned:  # its parameters' owners checked once every watcher had its turn
+        _keep_ddp_sync_off(module, args)
 
 
 def watch_for_ddp(found: Callable) -> weakref.WeakMethod:
