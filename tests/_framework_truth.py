@@ -69,14 +69,16 @@ def linear_warmup_decay(optimizer, warmup: int, total: int):
 
 
 def ground_truth(sequences, micro_batch_size: int, k: int, *, lr: float, weight_decay: float, warmup: int,
-                 clip: float | None, seed: int = 0):
+                 clip: float | None, seed: int = 0, schedule_total: int | None = None, schedule_stride: int = 1):
     """(model, [lr used by each update]) after one torch.optim.AdamW update per window of k
-    micro-batches (the last window partial), each on the window's token-mean loss."""
+    micro-batches (the last window partial), each on the window's token-mean loss. The schedule
+    spans ``schedule_total`` steps (default: the number of windows) and takes ``schedule_stride``
+    of them per update (accelerate steps a prepared scheduler once per process per update)."""
     model = tiny_gpt2(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     window_size = micro_batch_size * k
     windows = [sequences[i : i + window_size] for i in range(0, len(sequences), window_size)]
-    scheduler = linear_warmup_decay(opt, warmup, len(windows))
+    scheduler = linear_warmup_decay(opt, warmup, schedule_total or len(windows))
     lrs = []
     for window in windows:
         opt.zero_grad()
@@ -86,5 +88,6 @@ def ground_truth(sequences, micro_batch_size: int, k: int, *, lr: float, weight_
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
-        scheduler.step()
+        for _ in range(schedule_stride):
+            scheduler.step()
     return model, lrs

@@ -79,7 +79,167 @@ def hf_trainer(out_dir: str) -> None:
         _save(out_dir, f"hf-{run}", model, record.lrs, trainer.state.global_step)
 
 
-JOBS = {"hf_trainer": hf_trainer}
+# ---------------------------------------------------------------------------- accelerate
+def schedule_total() -> int:
+    """The recipes' ``total_updates``, counted as on one process from the unprepared loader:
+    accelerate steps a prepared scheduler once per process per update, so it stays right."""
+    return -(-len(_loader()) // K)
+
+
+def _loader():
+    return torch.utils.data.DataLoader(SEQUENCES, batch_size=MICRO_BATCH, collate_fn=ft.collate, shuffle=False)
+
+
+def global_window_tokens(num_processes: int, sequences=SEQUENCES) -> list[int]:
+    """Predicted tokens per window over every process: window w is micro-batches
+    [w*k*N, (w+1)*k*N) of ``sequences`` (accelerate deals micro-batches to the processes
+    round-robin; Lightning's DistributedSampler deals sequences, see ``lightning_order``)."""
+    counts = [ft.predicted_tokens(b) for b in ft.micro_batches(sequences, MICRO_BATCH)]
+    size = K * num_processes
+    return [sum(counts[i : i + size]) for i in range(0, len(counts), size)]
+
+
+def lightning_order() -> list[torch.Tensor]:
+    """The sequences in the order Lightning's DDP reads them: it always gives a training loader
+    a shuffling DistributedSampler (seed 0, epoch 0), whose rank r takes permutation[r::N]; so
+    the N processes' window w is permutation[w*k*b*N : (w+1)*k*b*N], b the micro-batch size."""
+    permutation = torch.randperm(len(SEQUENCES), generator=torch.Generator().manual_seed(0)).tolist()
+    return [SEQUENCES[i] for i in permutation]
+
+
+def accelerate_recipe(out_dir: str) -> None:
+    """The README's accelerate recipe: the optimizer holds the window (step(weight=tokens))."""
+    import accum_fused
+    from accum_fused.integrations.accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = ft.tiny_gpt2(0)
+    opt = accum_fused.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, accumulation_steps=K,
+                            max_grad_norm=CLIP)
+    scheduler = ft.linear_warmup_decay(opt, WARMUP, schedule_total())
+    model, opt, loader, scheduler = accelerator.prepare(model, opt, _loader(), scheduler)
+    lrs = []
+    for batch in loader:
+        loss = ft.token_loss_sum(model, batch) / ft.predicted_tokens(batch)  # the micro-batch's token mean
+        accelerator.backward(loss)
+        lr = opt.param_groups[0]["lr"]
+        opt.step(weight=ft.predicted_tokens(batch))
+        scheduler.step()
+        opt.zero_grad()
+        if opt.updated:
+            lrs.append(lr)
+    _save(out_dir, "accelerate-recipe", model, lrs, opt.update_count)
+
+
+def _accelerate_mode_a(out_dir: str, run: str) -> None:
+    """in_backward mode A (or, for the control, torch.optim.AdamW) under accelerate's own
+    accumulation: the loss is the window's token sum over every process' window tokens, times
+    k (accelerator.backward divides by k) and times the number of processes (DDP, or the
+    optimizer's window reduce, averages over them)."""
+    import accum_fused
+    from accum_fused.integrations.accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=K)
+    model = ft.tiny_gpt2(0)
+    if run == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    else:
+        opt = accum_fused.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, in_backward=True)
+    scheduler = ft.linear_warmup_decay(opt, WARMUP, schedule_total())
+    model, opt, loader, scheduler = accelerator.prepare(model, opt, _loader(), scheduler)
+    window_tokens = global_window_tokens(accelerator.num_processes)
+    lrs, updates = [], 0
+    for i, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            loss = ft.token_loss_sum(model, batch) / window_tokens[i // K] * K * accelerator.num_processes
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), CLIP)
+                lrs.append(opt.param_groups[0]["lr"])
+                updates += 1
+            opt.step()
+            scheduler.step()
+            opt.zero_grad()
+    _save(out_dir, f"accelerate-{run}", model, lrs, updates)
+
+
+def accelerate_jobs(out_dir: str) -> None:
+    accelerate_recipe(out_dir)
+    for run in ("mode_a", "torch"):
+        from accelerate.state import AcceleratorState, GradientState
+
+        GradientState._reset_state()  # a process-wide singleton: one Accelerator per run
+        _accelerate_mode_a(out_dir, run)
+
+
+# ----------------------------------------------------------------------------- Lightning
+def _lightning_module(mode: str, out_dir: str, run: str):
+    """The README's Lightning recipes as a LightningModule. ``mode``: "recipe" (the optimizer
+    holds the window, each micro-batch weighted by its tokens) or "mode_a" (in_backward under
+    Lightning's accumulate_grad_batches, the loss scaled to the global window's token mean)."""
+    import lightning as L
+
+    import accum_fused
+    from accum_fused.integrations import lightning as af_pl
+
+    class LM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = ft.tiny_gpt2(0)
+            self.lrs = []
+
+        def training_step(self, batch, batch_idx):
+            if mode == "recipe":
+                tokens = ft.predicted_tokens(batch)
+                self.optimizers().set_micro_batch_weight(tokens)
+                return ft.token_loss_sum(self.model, batch) / tokens
+            # Lightning divides the loss by k and DDP (here: the window reduce) averages the
+            # processes: scale the token sum by the window's token count over all processes.
+            window_tokens = global_window_tokens(self.trainer.world_size, lightning_order())[batch_idx // K]
+            return ft.token_loss_sum(self.model, batch) / window_tokens * K * self.trainer.world_size
+
+        def on_before_optimizer_step(self, optimizer):
+            self.lrs.append(optimizer.param_groups[0]["lr"])
+
+        def configure_optimizers(self):
+            # Updates per process (Lightning's DistributedSampler gives each its share of the data):
+            # estimated_stepping_batches counts step() calls, one per micro-batch in the recipe.
+            steps = self.trainer.estimated_stepping_batches
+            updates = -(-steps // K) if mode == "recipe" else steps
+            if mode == "recipe":
+                opt = accum_fused.AdamW(self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, accumulation_steps=K)
+                sched = af_pl.PerUpdateScheduler(ft.linear_warmup_decay(opt, WARMUP, updates))
+            else:
+                opt = accum_fused.AdamW(self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, in_backward=True)
+                sched = ft.linear_warmup_decay(opt, WARMUP, updates)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+        def on_train_end(self):
+            opt = self.optimizers().optimizer
+            lrs = self.lrs if mode == "mode_a" else self.lrs[K - 1 :: K]  # recipe: step() each micro-batch
+            _save(out_dir, run, self.model, lrs, opt.update_count)
+
+    return LM()
+
+
+def lightning_jobs(out_dir: str, strategy: str = "ddp") -> None:
+    import logging
+
+    import lightning as L
+
+    from accum_fused.integrations import lightning as af_pl
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    for mode in ("recipe", "mode_a"):
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, gradient_clip_val=CLIP,
+                            accumulate_grad_batches=K if mode == "mode_a" else 1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[af_pl.AccumFusedCallback(log=False)])
+        trainer.fit(_lightning_module(mode, out_dir, f"lightning-{strategy}-{mode}"), _loader())
+
+
+JOBS = {"hf_trainer": hf_trainer, "accelerate": accelerate_jobs, "lightning": lightning_jobs,
+        "lightning_spawn": lambda out_dir: lightning_jobs(out_dir, "ddp_spawn")}
 
 
 def main(job: str, out_dir: str) -> None:

@@ -53,6 +53,9 @@ from accum_fused import SGD, Adam, AdamW, GradientAccumulator
 __all__ = ["Accelerator", "AcceleratedAccumFusedOptimizer", "unwrap"]
 
 _OURS = (SGD, Adam, AdamW, GradientAccumulator)
+# accelerate wraps the model in DistributedDataParallel for these; the accum_fused optimizer then
+# takes DDP's gradient sync over (one weighted all-reduce per update; accum_fused/distributed.py).
+_ONE_PROCESS_OR_DDP = {DistributedType.NO, *(t for t in DistributedType if t.name.startswith("MULTI_"))}
 
 
 def unwrap(optimizer):
@@ -153,11 +156,12 @@ class Accelerator(accelerate.Accelerator):
     def prepare_optimizer(self, optimizer, device_placement=None):
         inner = unwrap(optimizer)
         if isinstance(inner, _OURS):
-            if self.distributed_type not in (DistributedType.NO,):
+            if self.distributed_type not in _ONE_PROCESS_OR_DDP:
                 raise NotImplementedError(
-                    f"accum_fused's accelerate recipe runs in one process for now (distributed_type="
-                    f"{self.distributed_type}): accelerate's DDP averages every micro-batch across ranks with "
-                    "equal weight. Use accum_fused's process_group without accelerate for data parallel"
+                    f"accum_fused's accelerate recipe supports one process and DDP (accelerate launch with "
+                    f"several processes); not distributed_type={self.distributed_type}: DeepSpeed and Megatron "
+                    "own the optimizer step, XLA is untested, and accelerate's FSDP plugin is not supported yet "
+                    "(for FSDP2 call torch's fully_shard yourself: accum_fused supports it without accelerate)"
                 )
             _check_single_accumulation(self.gradient_accumulation_steps, inner)
         prepared = super().prepare_optimizer(optimizer, device_placement=device_placement)

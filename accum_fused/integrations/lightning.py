@@ -38,6 +38,7 @@ import math
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -164,13 +165,14 @@ class AccumFusedCallback(pl.Callback):
         name = type(opt).__name__
         k = opt.accumulation_steps
         self._check_accumulation(trainer, opt)
-        if k > 1 and trainer.world_size > 1:
-            # Lightning's DDP all-reduces every micro-batch's gradient (it only skips that for
-            # its own accumulation), and each rank would weight the averaged gradient by its
-            # local token count: the ranks' windows, hence their parameters, would drift apart.
+        if trainer.world_size > 1 and not isinstance(trainer.strategy, DDPStrategy):
+            # Under DDP the optimizer takes DDP's gradient sync over (one weighted all-reduce per
+            # update, accum_fused/distributed.py); other strategies own the gradients themselves.
             raise NotImplementedError(
-                f"{name}(accumulation_steps={k}) on {trainer.world_size} processes is not supported by this "
-                "integration yet: use one process, or accumulation_steps=1 with Lightning's accumulate_grad_batches")
+                f"{name} under Lightning's {type(trainer.strategy).__name__} on {trainer.world_size} processes: "
+                "accum_fused supports one device and DDP (strategy=\"ddp\", \"ddp_spawn\", \"ddp_notebook\"). "
+                "DeepSpeed owns the optimizer step, and Lightning's FSDP strategy is FSDP1; for FSDP2 call torch's "
+                "fully_shard in configure_model with an accum_fused optimizer in your own loop")
         if getattr(opt, "in_backward", False) and k > 1 and pl_module.automatic_optimization:
             raise ValueError(
                 f"{name}(in_backward=True, accumulation_steps={k}) updates inside backward and refuses step(), "
