@@ -25,7 +25,7 @@ MICRO_BATCH, K = 4, 4
 LR, WEIGHT_DECAY, WARMUP, CLIP = 1e-3, 0.1, 2, 1.0
 
 
-def _save(out_dir: str, run: str, model, lrs: list[float], updates: int) -> None:
+def save(out_dir: str, run: str, model, lrs: list[float], updates: int) -> None:
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -76,7 +76,7 @@ def hf_trainer(out_dir: str) -> None:
                                        data_collator=lambda f: ft.collate([x["input_ids"] for x in f]),
                                        optimizers=(opt, None), callbacks=callbacks)
         trainer.train()
-        _save(out_dir, f"hf-{run}", model, record.lrs, trainer.state.global_step)
+        save(out_dir, f"hf-{run}", model, record.lrs, trainer.state.global_step)
 
 
 # ---------------------------------------------------------------------------- accelerate
@@ -128,7 +128,7 @@ def accelerate_recipe(out_dir: str) -> None:
         opt.zero_grad()
         if opt.updated:
             lrs.append(lr)
-    _save(out_dir, "accelerate-recipe", model, lrs, opt.update_count)
+    save(out_dir, "accelerate-recipe", model, lrs, opt.update_count)
 
 
 def _accelerate_mode_a(out_dir: str, run: str) -> None:
@@ -160,7 +160,7 @@ def _accelerate_mode_a(out_dir: str, run: str) -> None:
             opt.step()
             scheduler.step()
             opt.zero_grad()
-    _save(out_dir, f"accelerate-{run}", model, lrs, updates)
+    save(out_dir, f"accelerate-{run}", model, lrs, updates)
 
 
 def accelerate_jobs(out_dir: str) -> None:
@@ -173,59 +173,11 @@ def accelerate_jobs(out_dir: str) -> None:
 
 
 # ----------------------------------------------------------------------------- Lightning
-def _lightning_module(mode: str, out_dir: str, run: str):
-    """The README's Lightning recipes as a LightningModule. ``mode``: "recipe" (the optimizer
-    holds the window, each micro-batch weighted by its tokens) or "mode_a" (in_backward under
-    Lightning's accumulate_grad_batches, the loss scaled to the global window's token mean)."""
-    import lightning as L
-
-    import accum_fused
-    from accum_fused.integrations import lightning as af_pl
-
-    class LM(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = ft.tiny_gpt2(0)
-            self.lrs = []
-
-        def training_step(self, batch, batch_idx):
-            if mode == "recipe":
-                tokens = ft.predicted_tokens(batch)
-                self.optimizers().set_micro_batch_weight(tokens)
-                return ft.token_loss_sum(self.model, batch) / tokens
-            # Lightning divides the loss by k and DDP (here: the window reduce) averages the
-            # processes: scale the token sum by the window's token count over all processes.
-            window_tokens = global_window_tokens(self.trainer.world_size, lightning_order())[batch_idx // K]
-            return ft.token_loss_sum(self.model, batch) / window_tokens * K * self.trainer.world_size
-
-        def on_before_optimizer_step(self, optimizer):
-            self.lrs.append(optimizer.param_groups[0]["lr"])
-
-        def configure_optimizers(self):
-            # Updates per process (Lightning's DistributedSampler gives each its share of the data):
-            # estimated_stepping_batches counts step() calls, one per micro-batch in the recipe.
-            steps = self.trainer.estimated_stepping_batches
-            updates = -(-steps // K) if mode == "recipe" else steps
-            if mode == "recipe":
-                opt = accum_fused.AdamW(self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, accumulation_steps=K)
-                sched = af_pl.PerUpdateScheduler(ft.linear_warmup_decay(opt, WARMUP, updates))
-            else:
-                opt = accum_fused.AdamW(self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, in_backward=True)
-                sched = ft.linear_warmup_decay(opt, WARMUP, updates)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-        def on_train_end(self):
-            opt = self.optimizers().optimizer
-            lrs = self.lrs if mode == "mode_a" else self.lrs[K - 1 :: K]  # recipe: step() each micro-batch
-            _save(out_dir, run, self.model, lrs, opt.update_count)
-
-    return LM()
-
-
 def lightning_jobs(out_dir: str, strategy: str = "ddp") -> None:
     import logging
 
     import lightning as L
+    from _lightning_lm import TokenLM  # its own module: ddp_spawn pickles it by name
 
     from accum_fused.integrations import lightning as af_pl
 
@@ -235,7 +187,7 @@ def lightning_jobs(out_dir: str, strategy: str = "ddp") -> None:
                             accumulate_grad_batches=K if mode == "mode_a" else 1, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             callbacks=[af_pl.AccumFusedCallback(log=False)])
-        trainer.fit(_lightning_module(mode, out_dir, f"lightning-{strategy}-{mode}"), _loader())
+        trainer.fit(TokenLM(mode, out_dir, f"lightning-{strategy}-{mode}"), _loader())
 
 
 JOBS = {"hf_trainer": hf_trainer, "accelerate": accelerate_jobs, "lightning": lightning_jobs,
