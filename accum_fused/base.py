@@ -25,6 +25,7 @@ from torch import Tensor
 
 from . import backends, checkpoint, distributed, in_backward as hooks
 from .checkpoint import called_from_torch_checkpoint
+from .integrations import guard
 from .layout import is_dtensor, kernel_view, state_dtype
 from .window import Window
 
@@ -229,6 +230,9 @@ class AccumulatingOptimizer:
         if called_from_torch_checkpoint("_init_optim_state"):
             self._init_state_for_checkpoint()
             return None
+        if not getattr(self, "_framework_checked", False):
+            guard.check_first_step(self)  # a framework loop that would drive it wrong raises
+            self._framework_checked = True
         win = self._window
         if weight is not None:
             weight = _check_weight(weight)

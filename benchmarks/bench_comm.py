@@ -28,6 +28,13 @@ by window:
                      micro-batch; the metadata all-reduce when the k-th backward starts and the
                      fixed buckets all-reduced during it as their gradients arrive (overlapped,
                      as DDP), the update at its end.
+  ddp_accum_fused    the model wrapped in DistributedDataParallel, forward through DDP, and
+                     accum_fused.AdamW(accumulation_steps=k, max_grad_norm=1.0) without a
+                     process_group: the optimizer takes DDP's group and turns its per-backward
+                     all-reduce off; loss.backward(); step(weight=1). What accum_fused sends is
+                     all there is (DDP's reducer sends nothing): counted like accum_fused's.
+  ddp_accum_fused_in_backward
+                     the same with in_backward=True (opt.backward per micro-batch, overlapped).
 
 Reported per contender: ms per window (median over windows; each window's time is the slowest
 rank's), bytes all-reduced per rank per window (counted at torch.distributed.all_reduce for all
@@ -71,7 +78,8 @@ except ImportError:  # not installed: run against the checkout this script lives
 from accum_fused import distributed as af_dist
 from accum_fused.bench import cpu_model
 
-CONTENDERS = ("every_micro_batch", "once_native", "ddp_no_sync", "accum_fused", "accum_fused_in_backward")
+CONTENDERS = ("every_micro_batch", "once_native", "ddp_no_sync", "accum_fused", "accum_fused_in_backward",
+              "ddp_accum_fused", "ddp_accum_fused_in_backward")
 
 
 class CommTimer:
@@ -175,6 +183,11 @@ def run_rank(rank: int, world: int, args, port: int | None) -> None:
         if name.startswith("accum_fused"):
             opt = accum_fused.AdamW(params, lr=1e-4, accumulation_steps=k, max_grad_norm=1.0, process_group=group,
                                     in_backward=name == "accum_fused_in_backward")
+        elif name.startswith("ddp_accum_fused"):
+            ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group,
+                                                            bucket_cap_mb=bucket_bytes / 2**20)
+            opt = accum_fused.AdamW(params, lr=1e-4, accumulation_steps=k, max_grad_norm=1.0,
+                                    in_backward=name.endswith("in_backward"))
         else:
             fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
             opt = torch.optim.AdamW(params, lr=1e-4, **fused)
@@ -187,10 +200,11 @@ def run_rank(rank: int, world: int, args, port: int | None) -> None:
     def window(name: str) -> None:
         model, params, opt, timer, ddp = setups[name]
         for i, (x, y) in enumerate(batches):
-            if name == "accum_fused_in_backward":
-                opt.backward(loss_fn(model(x), y), weight=1.0)  # the k-th applies the update
-            elif name == "accum_fused":
-                loss_fn(model(x), y).backward()
+            forward = model if ddp is None else ddp
+            if name.endswith("accum_fused_in_backward"):
+                opt.backward(loss_fn(forward(x), y), weight=1.0)  # the k-th applies the update
+            elif name.endswith("accum_fused"):
+                loss_fn(forward(x), y).backward()
                 opt.step(weight=1.0)
                 opt.zero_grad()
             elif name == "ddp_no_sync":
@@ -205,14 +219,14 @@ def run_rank(rank: int, world: int, args, port: int | None) -> None:
                     bucketed_all_reduce_mean([p.grad for p in params], timer, group, bucket_bytes)
         if name == "once_native":
             bucketed_all_reduce_mean([p.grad for p in params], timer, group, bucket_bytes)
-        if not name.startswith("accum_fused"):
+        if "accum_fused" not in name:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             opt.zero_grad()
 
     # accum_fused's time blocked in collectives: the reduce at the window's end (for in_backward
     # mode B also the metadata all-reduce at the start of the last backward)
-    for name in ("accum_fused", "accum_fused_in_backward"):
+    for name in [name for name in CONTENDERS if "accum_fused" in name]:
         _, _, opt, timer, _ = setups[name]
         opt._window.sync.reduce_window = timer.wrap(opt._window.sync.reduce_window)
         opt._window.sync.begin_overlapped_window = timer.wrap(opt._window.sync.begin_overlapped_window)

@@ -9,6 +9,7 @@ import torch
 accelerate = pytest.importorskip("accelerate")
 
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from accelerate.utils import DistributedType  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import accum_fused  # noqa: E402
@@ -284,3 +285,57 @@ def test_module_imports_the_real_accelerate():
     import accelerate as real
 
     assert af_accelerate.accelerate is real and af_accelerate.Accelerator.__mro__[1] is real.Accelerator
+
+
+def test_step_without_weight_raises_while_accumulating():
+    """The recipe weights micro-batches by tokens; a step() without weight= would weight them
+    equally (58% off the big batch in the issue's measurement): refused, nothing changed."""
+    accelerator, model, opt = plain_setup(accumulation_steps=2)
+    model, opt = accelerator.prepare(model, opt)
+    accelerator.backward(micro_loss(model, 0))
+    with pytest.raises(RuntimeError, match="require_weight=False"):
+        opt.step()
+    assert opt.micro_step == 0 and all(p.grad is not None for p in model.parameters())
+    opt.set_micro_batch_weight(3)  # a weight given ahead counts
+    opt.step()
+    assert opt.micro_step == 1
+
+
+def test_step_without_weight_on_purpose():
+    accelerator, model, opt = plain_setup(accumulation_steps=2, require_weight=False)
+    model, opt = accelerator.prepare(model, opt)
+    for i in range(2):
+        accelerator.backward(micro_loss(model, i))
+        opt.step()
+        opt.zero_grad()
+    assert opt.update_count == 1
+
+
+def test_non_ddp_distributed_types_are_refused(monkeypatch):
+    accelerator, model, opt = plain_setup(accumulation_steps=2)
+    monkeypatch.setattr(af_accelerate.Accelerator, "distributed_type", property(lambda self: DistributedType.DEEPSPEED))
+    with pytest.raises(NotImplementedError, match="one process and DDP"):
+        accelerator.prepare_optimizer(opt)
+
+
+def test_accelerates_own_accelerator_is_refused():
+    """accelerate's own Accelerator would drop the partial window and step its scheduler per
+    micro-batch (73% off in the issue's measurement): the first step() raises, naming ours."""
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = tiny_gpt2(0)
+    opt = accum_fused.AdamW(model.parameters(), lr=1e-3, accumulation_steps=2)
+    model, opt = accelerator.prepare(model, opt)
+    accelerator.backward(micro_loss(model))
+    with pytest.raises(RuntimeError, match="accum_fused.integrations.accelerate.Accelerator"):
+        opt.step()
+    assert opt.optimizer.micro_step == 0
+
+
+def test_accelerates_own_accelerator_with_a_plain_optimizer_is_fine():
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = tiny_gpt2(0)
+    opt = accum_fused.AdamW(model.parameters(), lr=1e-3)  # accumulation_steps=1: a torch.optim AdamW
+    model, opt = accelerator.prepare(model, opt)
+    accelerator.backward(micro_loss(model))
+    opt.step()
+    assert opt.optimizer.update_count == 1

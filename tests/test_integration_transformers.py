@@ -262,3 +262,18 @@ def test_callback_without_accum_fused_optimizer_raises(tmp_path):
 def test_module_imports_the_real_transformers():
     # accum_fused.integrations.transformers must not shadow the framework it integrates.
     assert af_hf.transformers is transformers and os.path.basename(os.path.dirname(transformers.__file__)) == "transformers"
+
+
+@pytest.mark.parametrize("kwargs", [dict(in_backward=True), dict(accumulation_steps=4)])
+def test_accumulating_optimizer_without_the_callback_raises(tmp_path, kwargs):
+    """Without AccumFusedCallback the Trainer's max_grad_norm would clip nothing (in_backward) or
+    the window would be accumulated twice: the optimizer's first step() raises, naming the
+    callback, before any update."""
+    model = _model()
+    opt = accum_fused.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **kwargs)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = _trainer(tmp_path, model, opt)
+    with pytest.raises(RuntimeError, match="AccumFusedCallback"):
+        trainer.train()
+    assert opt.update_count == 0
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

@@ -86,9 +86,20 @@ class AcceleratedAccumFusedOptimizer(AcceleratedOptimizer):
     returns it): ``step(weight=)``, the window's counters, and a window that closes at the end of
     a prepared dataloader."""
 
+    # Set by Accelerator.prepare_optimizer from Accelerator(require_weight=...).
+    require_weight = True
+
     def step(self, closure=None, *, weight=None):
         inner = self.optimizer
         _check_single_accumulation(self.gradient_state.num_steps, inner)
+        if (weight is None and self.require_weight and inner.accumulation_steps > 1
+                and inner.micro_batch_weight is None and closure is None):
+            raise RuntimeError(
+                f"opt.step() without weight= while {type(inner).__name__} accumulates (accumulation_steps="
+                f"{inner.accumulation_steps}): every micro-batch would count equally, not by what its loss averages "
+                "over. Pass opt.step(weight=<its token count>) (the recipe), or call opt.set_micro_batch_weight(w) "
+                "first; to weight micro-batches equally on purpose, build Accelerator(require_weight=False)"
+            )
         if weight is not None:
             if self.gradient_state.num_steps > 1:
                 raise ValueError(
@@ -147,7 +158,16 @@ class _PerUpdateGuardScheduler(AcceleratedScheduler):
 
 
 class Accelerator(accelerate.Accelerator):
-    """accelerate's Accelerator, made correct for accum_fused optimizers (see the module docstring)."""
+    """accelerate's Accelerator, made correct for accum_fused optimizers (see the module docstring).
+
+    ``require_weight`` (default True): a prepared accum_fused optimizer that accumulates
+    (``accumulation_steps > 1``) refuses ``step()`` without ``weight=`` (or a weight given by
+    ``set_micro_batch_weight``), which would weight every micro-batch equally where the recipe
+    weights them by tokens; False weights them equally on purpose."""
+
+    def __init__(self, *args, require_weight: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.require_weight = bool(require_weight)
 
     def _accum_fused(self) -> list:
         """The prepared accum_fused optimizers (inner objects)."""
@@ -168,6 +188,7 @@ class Accelerator(accelerate.Accelerator):
         if isinstance(inner, _OURS) and type(prepared) is AcceleratedOptimizer:
             # The same object accelerate registered (save_state, its scheduler), with our methods.
             prepared.__class__ = AcceleratedAccumFusedOptimizer
+            prepared.require_weight = self.require_weight
         return prepared
 
     def prepare_scheduler(self, scheduler):

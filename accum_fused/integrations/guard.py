@@ -1,0 +1,56 @@
+"""At an accumulating optimizer's first ``step()``: a framework loop that drives it without
+accum_fused's integration for that framework, found on the call stack, is refused.
+
+Frameworks drive ``optimizer.step()`` from their own loops, and two of them train silently
+wrong around an optimizer that holds the window unless accum_fused's integration is in the loop:
+
+- ``transformers.Trainer`` without ``AccumFusedCallback``: in in_backward mode ``.grad`` is
+  freed inside backward, so the Trainer's ``max_grad_norm`` (1.0 by default) clips nothing
+  (measured 26% off the big batch), and nothing checks that the Trainer owns the window;
+- ``accelerate.Accelerator`` (accelerate's own, not ``accum_fused.integrations.accelerate``'s):
+  its prepared optimizer rejects ``step(weight=)``, steps its scheduler per micro-batch and drops
+  the partial last window (measured 73% off).
+
+Only optimizers that accumulate (``accumulation_steps > 1`` or ``in_backward``) are checked:
+with neither, an accum_fused optimizer is a plain torch.optim one, which both loops drive right.
+Imports no framework: only what the process has imported already is looked for, once per
+optimizer, a few frames up.
+"""
+from __future__ import annotations
+
+import sys
+
+_FRAMES = 12  # step()'s decorators <- GradScaler.step <- AcceleratedOptimizer.step <- the Trainer's loop
+
+
+def check_first_step(opt) -> None:
+    if opt.accumulation_steps == 1 and not opt.in_backward:
+        return
+    trainer_type = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)  # not the lazy top level
+    wrapper_type = getattr(sys.modules.get("accelerate.optimizer"), "AcceleratedOptimizer", None)
+    if trainer_type is None and wrapper_type is None:
+        return
+    frame, stepped_by_accelerate = sys._getframe(2), False
+    for _ in range(_FRAMES):
+        if frame is None:
+            break
+        caller = frame.f_locals.get("self")
+        # The Trainer steps through accelerate's wrapper too: the Trainer's rule decides.
+        if trainer_type is not None and isinstance(caller, trainer_type):
+            names = {type(cb).__name__ for cb in caller.callback_handler.callbacks}
+            if "AccumFusedCallback" not in names:
+                raise RuntimeError(
+                    f"{type(opt).__name__} (in_backward or accumulation_steps > 1) under transformers.Trainer "
+                    "without AccumFusedCallback: the Trainer's max_grad_norm would clip the .grad that in_backward "
+                    "has freed (nothing), and nothing checks who owns the window. Add "
+                    "callbacks=[accum_fused.integrations.transformers.AccumFusedCallback()] to the Trainer"
+                )
+            return
+        stepped_by_accelerate |= wrapper_type is not None and type(caller) is wrapper_type
+        frame = frame.f_back
+    if stepped_by_accelerate:
+        raise RuntimeError(
+            f"{type(opt).__name__} is stepped by accelerate's own Accelerator: it rejects step(weight=), steps a "
+            "prepared scheduler on every micro-batch and drops the partial last window. Use "
+            "accum_fused.integrations.accelerate.Accelerator (a subclass of accelerate's) in its place"
+        )
