@@ -309,6 +309,23 @@ def ddp_unowned_parameters(name, rank, backend, group, data):
         raise AssertionError("no error for DDP parameters outside the accum_fused optimizer")
 
 
+def ddp_mismatched_windows(name, rank, backend, group, data):
+    """DDP adopted, rank 0 flushing while rank 1 closes a window in step(): an error on both
+    ranks, not a hang."""
+    model = Net(seed=100 + rank)
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+    opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=2, backend=backend)
+    batches = data[rank][0][:1] if rank == 0 else data[rank][0][:2]
+    try:
+        train(ddp, opt, batches)
+        if rank == 0:
+            opt.flush()
+    except RuntimeError as exc:
+        assert "same number of windows" in str(exc), str(exc)
+    else:
+        raise AssertionError("no error for ranks closing windows differently")
+
+
 def ddp_released_with_optimizer(name, rank, backend, group, data):
     """When the optimizer is collected (a notebook rebuilding it), DDP's own sync comes back."""
     import gc
@@ -507,6 +524,7 @@ SCENARIOS = {
     "ddp_mode_b": (ddp_mode_b, ["AdamW-clip"]),
     "ddp_explicit_group": (ddp_explicit_group, ["AdamW-clip"]),
     "ddp_unowned_parameters": (ddp_unowned_parameters, ["SGD-nesterov"]),
+    "ddp_mismatched_windows": (ddp_mismatched_windows, ["SGD-nesterov"]),
     "ddp_released_with_optimizer": (ddp_released_with_optimizer, ["SGD-nesterov"]),
     "empty_flush": (empty_flush, ["SGD-nesterov"]),
     "mismatched_windows": (mismatched_windows, ["SGD-nesterov"]),

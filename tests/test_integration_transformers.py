@@ -277,3 +277,13 @@ def test_accumulating_optimizer_without_the_callback_raises(tmp_path, kwargs):
         trainer.train()
     assert opt.update_count == 0
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_deepspeed_or_fsdp_is_refused_at_train_begin(tmp_path):
+    model = _model()
+    opt = _recipe_optimizer(model)
+    trainer = _trainer(tmp_path, model, opt, [af_hf.AccumFusedCallback()])
+    trainer.args.fsdp = "full_shard"  # set after construction: building FSDP needs several processes
+    with pytest.raises(NotImplementedError, match="FSDP"):
+        af_hf.AccumFusedCallback().on_train_begin(trainer.args, trainer.state, trainer.control, optimizer=opt,
+                                                  model=model)

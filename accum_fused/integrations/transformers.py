@@ -78,6 +78,8 @@ class AccumFusedCallback(transformers.TrainerCallback):
       sequence's first label, which is never predicted. Set ``model.loss_type = "ForCausalLM"``
       before building the Trainer.
     - ``in_backward=True`` with ``fp16=True`` (a GradScaler) raises: use ``bf16=True``.
+    - DeepSpeed or FSDP (``args.deepspeed`` / ``args.fsdp``) raise ``NotImplementedError``; DDP
+      (torchrun, accelerate launch) is supported: the optimizer takes DDP's sync over.
     - On every log: ``grad_norm`` (the Trainer measures ``.grad``, empty in in_backward) is
       replaced by the optimizer's ``last_grad_norm`` or removed, and ``update_count`` is added.
     """
@@ -92,6 +94,13 @@ class AccumFusedCallback(transformers.TrainerCallback):
             raise TypeError(
                 "AccumFusedCallback found no accum_fused optimizer in the Trainer: pass one with "
                 "Trainer(..., optimizers=(accum_fused.AdamW(model.parameters(), ..., in_backward=True), None))"
+            )
+        if args.deepspeed or args.fsdp:
+            raise NotImplementedError(
+                f"{type(opt).__name__} under the HF Trainer with {'DeepSpeed' if args.deepspeed else 'FSDP'}: "
+                "accum_fused supports the Trainer on one process and under DDP (torchrun / accelerate launch "
+                "without DeepSpeed or FSDP; the optimizer then reduces the window itself once per update). "
+                "DeepSpeed owns the optimizer step; for FSDP2 call torch's fully_shard in your own loop"
             )
         if opt.accumulation_steps > 1:
             raise ValueError(
