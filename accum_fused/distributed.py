@@ -222,9 +222,7 @@ def own_ddp_sync(ddp, params_of: Callable[[], list[Tensor] | None]) -> Callable[
 
 
 def _watch_forward(module, args) -> None:
-    from torch.nn.parallel import DistributedDataParallel
-
-    if not isinstance(module, DistributedDataParallel):
+    if not isinstance(module, torch.nn.parallel.DistributedDataParallel):  # (torch.nn imports it)
         return
     for ref in list(_ddp_watchers):
         found = ref()
@@ -242,6 +240,7 @@ def watch_for_ddp(found: Callable) -> weakref.WeakMethod:
     _ddp_watchers.append(ref)
     if _watch_handle is None:
         _watch_handle = torch.nn.modules.module.register_module_forward_pre_hook(_watch_forward)
+    weakref.finalize(found.__self__, unwatch_ddp, ref)  # an optimizer dropped before its first window
     return ref
 
 

@@ -137,3 +137,28 @@ def test_readme_torchrun_example_runs():
     assert proc.stdout.count("parameters identical to rank 0: True") == 2, proc.stdout
     losses = [float(line.split("mean loss ")[1].split(",")[0]) for line in proc.stdout.splitlines() if "mean loss" in line]
     assert len(losses) == 2 and losses[1] < losses[0], proc.stdout
+
+
+def test_ddp_watch_lasts_until_the_first_window_closes():
+    """An optimizer without a DDP module watches module forwards (a global forward pre-hook) only
+    until its first window closes or it is collected: afterwards modules run without the hook."""
+    import gc
+
+    from torch.nn.modules import module as nn_module
+
+    def global_hooks():
+        return len(nn_module._global_forward_pre_hooks)
+
+    base = global_hooks()
+    model = torch.nn.Linear(3, 2)
+    opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=2)
+    assert global_hooks() == base + 1
+    for _ in range(2):
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    assert opt.update_count == 1 and global_hooks() == base
+    dropped = accum_fused.AdamW(model.parameters(), accumulation_steps=2, in_backward=True)
+    assert global_hooks() == base + 1
+    del dropped
+    gc.collect()
+    assert global_hooks() == base
