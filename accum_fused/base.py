@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import weakref
 from collections import defaultdict
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from . import backends, checkpoint, distributed, in_backward as hooks
+from . import backends, checkpoint, ddp, distributed, in_backward as hooks
 from .checkpoint import called_from_torch_checkpoint
 from .integrations import guard
 from .layout import is_dtensor, kernel_view, state_dtype
@@ -98,50 +97,10 @@ class AccumulatingOptimizer:
             sync = distributed.WindowSync(process_group, name)
             sync.add_params(params, state_dtype)
         self._window = Window(sync, shards)
-        self._ddp_watch = None
-        if mesh is None:
-            # Parameters of a DistributedDataParallel module: the optimizer owns DDP's gradient
-            # sync (distributed.py). A model wrapped after this is found at its first forward.
-            ddp_modules = distributed.ddp_modules_holding(params)
-            for ddp in ddp_modules:
-                self._take_ddp(ddp)
-            if not ddp_modules:
-                self._ddp_watch = distributed.watch_for_ddp(self._found_ddp)
+        if mesh is None:  # replicas: a DistributedDataParallel model is enough (ddp.py)
+            ddp.attach(self, params)
         if in_backward:
             hooks.install(self)
-
-    # -------------------------------------------------------------------------------- DDP
-    def _take_ddp(self, ddp) -> None:
-        """Own ``ddp``'s gradient sync: its per-backward all-reduce goes off, and without a
-        process_group its group becomes the window's (one weighted all-reduce per update).
-        DDP broadcast the parameters when it was built; the window's micro-batches so far (none,
-        unless the model was wrapped mid-window) are local and are reduced with the window."""
-        name = type(self).__name__
-        if self.process_group is None:
-            sync = distributed.WindowSync(ddp.process_group, name)
-            sync.add_params(self._all_params(), state_dtype, broadcast=False)
-            self._window.join_ranks(sync)
-            self.process_group = ddp.process_group
-        else:
-            distributed.check_same_ranks(self.process_group, ddp, name)
-        this = weakref.ref(self)
-        release = distributed.own_ddp_sync(ddp, lambda: None if this() is None else this()._all_params())
-        weakref.finalize(self, release)
-
-    def _found_ddp(self, ddp) -> bool:
-        """A DDP module's forward (distributed.watch_for_ddp): take it if it holds our parameters."""
-        if self._window.shards is not None or not distributed.wraps_any(ddp, {id(p) for p in self._all_params()}):
-            return False
-        self._take_ddp(ddp)
-        self._ddp_watch = None
-        return True
-
-    def _window_closed(self) -> None:
-        """Window.close: a DDP module that wraps the parameters only now would have reduced a whole
-        window already; the global forward watch stops (it costs every module call a hook)."""
-        if getattr(self, "_ddp_watch", None) is not None:
-            distributed.unwatch_ddp(self._ddp_watch)
-            self._ddp_watch = None
 
     # ----------------------------------------------------------------------------- params
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -185,7 +185,7 @@ class _DdpOwnership:
 
 
 _ddp_owned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_ddp_watchers: list[weakref.WeakMethod] = []
+_ddp_watchers: list[tuple[weakref.ref, Callable]] = []  # (owner, found(owner, ddp) -> took it)
 _watch_handle = None
 
 
@@ -224,30 +224,32 @@ def own_ddp_sync(ddp, params_of: Callable[[], list[Tensor] | None]) -> Callable[
 def _watch_forward(module, args) -> None:
     if not isinstance(module, torch.nn.parallel.DistributedDataParallel):  # (torch.nn imports it)
         return
-    for ref in list(_ddp_watchers):
-        found = ref()
-        if found is None or found(module):  # collected, or it took this DDP module
-            unwatch_ddp(ref)
+    for watch in list(_ddp_watchers):
+        owner_ref, found = watch
+        owner = owner_ref()
+        if owner is None or found(owner, module):  # collected, or it took this DDP module
+            unwatch_ddp(watch)
     if module in _ddp_owned:  # its parameters' owners checked once every watcher had its turn
         _keep_ddp_sync_off(module, args)
 
 
-def watch_for_ddp(found: Callable) -> weakref.WeakMethod:
-    """Call the bound method ``found(ddp)`` before the forward of every DistributedDataParallel
-    module until it returns True or ``unwatch_ddp`` is called (held weakly)."""
+def watch_for_ddp(owner, found: Callable) -> tuple:
+    """Call ``found(owner, ddp)`` before the forward of every DistributedDataParallel module
+    until it returns True, ``unwatch_ddp`` is called with the returned token, or ``owner`` (held
+    weakly) is collected."""
     global _watch_handle
-    ref = weakref.WeakMethod(found)
-    _ddp_watchers.append(ref)
+    watch = (weakref.ref(owner), found)
+    _ddp_watchers.append(watch)
     if _watch_handle is None:
         _watch_handle = torch.nn.modules.module.register_module_forward_pre_hook(_watch_forward)
-    weakref.finalize(found.__self__, unwatch_ddp, ref)  # an optimizer dropped before its first window
-    return ref
+    weakref.finalize(owner, unwatch_ddp, watch)  # an optimizer dropped before its first window
+    return watch
 
 
-def unwatch_ddp(ref: weakref.WeakMethod) -> None:
+def unwatch_ddp(watch: tuple) -> None:
     global _watch_handle
-    if ref in _ddp_watchers:
-        _ddp_watchers.remove(ref)
+    if watch in _ddp_watchers:
+        _ddp_watchers.remove(watch)
     if not _ddp_watchers and _watch_handle is not None:
         _watch_handle.remove()
         _watch_handle = None

@@ -26,6 +26,7 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
+from . import ddp
 from .layout import conform_state, kernel_view, state_dtype
 
 # Weights are kept in units of 2**shift, shift a multiple of _WEIGHT_BAND, so that any finite
@@ -284,7 +285,7 @@ class Window:
                 self.update_count += 1
         finally:
             self.discard()
-            opt._window_closed()
+            ddp.window_closed(opt)
         self.updated = applied
         return applied
 
@@ -300,7 +301,7 @@ class Window:
             self.update_count += self.updated
         finally:
             self.discard()
-            opt._window_closed()
+            ddp.window_closed(opt)
 
     def discard(self) -> None:
         """Empty the window (counters of past updates stay; buffers stay allocated, stale)."""

@@ -1,0 +1,63 @@
+"""DistributedDataParallel models: an accumulating optimizer takes DDP's gradient sync over.
+
+Owns: finding the DDP module(s) that wrap an optimizer's parameters (at construction, or at
+the module's first forward when the model is wrapped later, as HF Trainer and accelerate do),
+and taking one over: without a ``process_group`` the DDP module's group becomes the window's
+(a ``distributed.WindowSync``: one weighted fp32 all-reduce of the window per update, in
+plain mode, in_backward mode A and mode B alike), and DDP's own all-reduce after every backward
+is turned off for as long as the optimizer lives. With equal micro-batch weights the update is
+what DDP plus the hand-written loop gives; with token weights it is the global token mean.
+
+Must not: reduce anything itself or know what a window holds beyond moving it into the flat
+buffers (``Window.join_ranks``); DDP's flag, hooks and the watch of module forwards are
+``distributed.py``'s.
+"""
+from __future__ import annotations
+
+import weakref
+
+from . import distributed
+from .layout import state_dtype
+
+
+def attach(opt, params) -> None:
+    """At construction: take over the DDP modules already wrapping ``params``; if none, watch
+    module forwards for one until the first window closes (``window_closed``)."""
+    modules = distributed.ddp_modules_holding(params)
+    for module in modules:
+        _take(opt, module)
+    opt._ddp_watch = None if modules else distributed.watch_for_ddp(opt, _found)
+
+
+def window_closed(opt) -> None:
+    """A DDP module that wraps the parameters only now would have reduced a whole window
+    already: stop watching (the global forward hook costs every module call)."""
+    watch = getattr(opt, "_ddp_watch", None)
+    if watch is not None:
+        distributed.unwatch_ddp(watch)
+        opt._ddp_watch = None
+
+
+def _found(opt, module) -> bool:
+    """A DDP module's forward (the watch): take it over if it wraps our parameters."""
+    if not distributed.wraps_any(module, {id(p) for p in opt._all_params()}):
+        return False
+    _take(opt, module)
+    opt._ddp_watch = None
+    return True
+
+
+def _take(opt, module) -> None:
+    """DDP broadcast the parameters when it was built; the window's micro-batches so far (none,
+    unless the model was wrapped mid-window) are local, and are reduced with the window."""
+    name = type(opt).__name__
+    if opt.process_group is None:
+        sync = distributed.WindowSync(module.process_group, name)
+        sync.add_params(opt._all_params(), state_dtype, broadcast=False)
+        opt._window.join_ranks(sync)
+        opt.process_group = module.process_group
+    else:
+        distributed.check_same_ranks(opt.process_group, module, name)
+    this = weakref.ref(opt)
+    release = distributed.own_ddp_sync(module, lambda: None if this() is None else this()._all_params())
+    weakref.finalize(opt, release)
