@@ -164,11 +164,11 @@ def _accelerate_mode_a(out_dir: str, run: str) -> None:
 
 
 def accelerate_jobs(out_dir: str) -> None:
+    from accelerate.state import GradientState
+
     accelerate_recipe(out_dir)
     for run in ("mode_a", "torch"):
-        from accelerate.state import AcceleratorState, GradientState
-
-        GradientState._reset_state()  # a process-wide singleton: one Accelerator per run
+        GradientState._reset_state()  # a process-wide singleton: each run's Accelerator sets it
         _accelerate_mode_a(out_dir, run)
 
 
