@@ -22,7 +22,7 @@ from .layout import state_dtype
 
 def attach(opt, params) -> None:
     """At construction: take over the DDP modules already wrapping ``params``; if none, watch
-    module forwards for one until the first window closes (``window_closed``)."""
+    module forwards for one (until the first window closes, see ``window_closed``)."""
     modules = distributed.ddp_modules_holding(params)
     for module in modules:
         _take(opt, module)
@@ -30,10 +30,13 @@ def attach(opt, params) -> None:
 
 
 def window_closed(opt) -> None:
-    """A DDP module that wraps the parameters only now would have reduced a whole window
-    already: stop watching (the global forward hook costs every module call)."""
+    """Stop watching once the first window has closed (the global forward hook costs every
+    module call), except for an optimizer that reduces nothing in a job of several processes:
+    a DDP module wrapped later would leave its ranks training apart (mode A/B) or weighting
+    DDP's per-micro-batch average by local weights (plain mode), so it keeps watching and takes
+    the module over at its first forward, whenever that comes."""
     watch = getattr(opt, "_ddp_watch", None)
-    if watch is not None:
+    if watch is not None and not (opt.process_group is None and distributed.several_processes()):
         distributed.unwatch_ddp(watch)
         opt._ddp_watch = None
 

@@ -122,6 +122,11 @@ def broadcast_parameters(params: list[Tensor], process_group) -> None:
                     t.copy_(piece.view(t.shape))
 
 
+def several_processes() -> bool:
+    dist = _dist()
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def ddp_modules_holding(params: Iterable[Tensor]) -> list:
     """The live DistributedDataParallel modules that wrap any of ``params``.
 
@@ -155,10 +160,10 @@ def wraps_any(ddp, param_ids: set) -> bool:
 # reduce either.
 #
 # Models are often wrapped after the optimizer is built (HF Trainer wraps in train(),
-# accelerate in prepare()). Until its first window closes, an optimizer without a DDP module
-# therefore watches every module's forward (one global forward pre-hook, shared, removed when no
-# optimizer watches any more) for a DDP module that wraps its parameters: that forward precedes
-# the first backward DDP could reduce.
+# accelerate in prepare()). An optimizer without a DDP module therefore watches every module's
+# forward (one global forward pre-hook, shared, removed when no optimizer watches any more) for
+# a DDP module that wraps its parameters: that forward precedes the first backward DDP could
+# reduce. How long it watches is ddp.py's decision.
 
 class _DdpOwnership:
     """The accum_fused optimizers that took over one DDP module's gradient sync."""

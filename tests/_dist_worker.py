@@ -326,6 +326,21 @@ def ddp_mismatched_windows(name, rank, backend, group, data):
         raise AssertionError("no error for ranks closing windows differently")
 
 
+def ddp_wrapped_after_first_window(name, rank, backend, group, data):
+    """An optimizer without a process_group in a job of several processes keeps watching after
+    its first window: a model wrapped in DDP only then is taken over at its first forward, and
+    from there the ranks train alike (SGD without state: DDP's broadcast made them equal)."""
+    model = Net(seed=100 + rank)
+    opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=STEPS_PER_RANK[rank], backend=backend)
+    train(model, opt, data[rank][0])  # one window on each rank alone
+    assert opt.update_count == 1 and opt.process_group is None
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+    for window in range(1, FULL_WINDOWS + 1):
+        train(ddp, opt, data[rank][window])
+    assert opt.flush() and opt.process_group is not None and ddp.require_backward_grad_sync is False
+    check_ranks_identical(list(model.parameters()))
+
+
 def ddp_released_with_optimizer(name, rank, backend, group, data):
     """When the optimizer is collected (a notebook rebuilding it), DDP's own sync comes back."""
     import gc
@@ -525,6 +540,7 @@ SCENARIOS = {
     "ddp_explicit_group": (ddp_explicit_group, ["AdamW-clip"]),
     "ddp_unowned_parameters": (ddp_unowned_parameters, ["SGD-nesterov"]),
     "ddp_mismatched_windows": (ddp_mismatched_windows, ["SGD-nesterov"]),
+    "ddp_wrapped_after_first_window": (ddp_wrapped_after_first_window, ["SGD-plain"]),
     "ddp_released_with_optimizer": (ddp_released_with_optimizer, ["SGD-nesterov"]),
     "empty_flush": (empty_flush, ["SGD-nesterov"]),
     "mismatched_windows": (mismatched_windows, ["SGD-nesterov"]),
