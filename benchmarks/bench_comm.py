@@ -278,11 +278,11 @@ def run_rank(rank: int, world: int, args, port: int | None) -> None:
               f"{numel:,} fp32 params, {args.batch} rows per micro-batch, k={k}, buckets {bucket_bytes / 2**20:g} MiB, "
               f"{args.windows} windows, {args.threads} thread(s) per rank, load average {load_start[0]:.2f} -> "
               f"{load_end[0]:.2f}")
-        print(f"{'contender':<24} {'ms/window':>10} {'ratio':>7} {'MB all-reduced':>15} {'comm ms':>9} {'max diff':>9}")
+        print(f"{'contender':<28} {'ms/window':>10} {'ratio':>7} {'MB all-reduced':>15} {'comm ms':>9} {'max diff':>9}")
         for r in rows:
             comm = "-" if r["comm_ms_per_window"] is None else f"{r['comm_ms_per_window']:.1f}"
             mb = f"{r['allreduce_MB_per_window_per_rank']:.1f}" + ("" if r["allreduce_bytes_counted"] else "*")
-            print(f"{r['contender']:<24} {r['ms_per_window']:>10.1f} {r['ratio_to_every_micro_batch']:>7.3f} "
+            print(f"{r['contender']:<28} {r['ms_per_window']:>10.1f} {r['ratio_to_every_micro_batch']:>7.3f} "
                   f"{mb:>15} {comm:>9} {r['max_param_diff_vs_once_native']:>9.1e}")
         print("* not counted (DDP's C++ reducer): N x 4 bytes per window; max diff: |param - once_native's| after the run")
         if args.json:
