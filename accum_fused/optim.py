@@ -256,7 +256,8 @@ class GradientAccumulator(AccumulatingOptimizer, torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         checkpoint.refuse_copy(self)
-        return dict(self.__dict__)
+        # The watch for a DDP module (ddp.py) belongs to this object: a copy does not watch.
+        return {k: v for k, v in self.__dict__.items() if k != "_ddp_watch"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
