@@ -103,7 +103,8 @@ def own_loop(tmp: Path, aux: bool) -> dict:
     res = json.loads((tmp / "own.json").read_text())
     control = res.pop("control")
     data = "" if aux else ", no aux head"
-    return {f"own loop + DDP, {mode}{data}": {**v, "control_to_big_batch": control["to_big_batch"]}
+    return {f"own loop + DDP, {mode}{data}": {**v, "control_to_big_batch": control["to_big_batch"],
+                                              "control_rank_diff": control["rank_diff"]}
             for mode, v in res.items()}
 
 
@@ -140,10 +141,12 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         rows = {**own_loop(Path(tmp), aux=True), **own_loop(Path(tmp), aux=False), **frameworks(Path(tmp))}
-    print(f"{'scenario':<40} {'rank diff':>10} {'to big batch':>13} {'control':>9}")
+    print(f"{'scenario':<40} {'rank diff':>10} {'to big batch':>13} {'control':>9} {'its ranks':>10}")
     for name, r in rows.items():
         control = "-" if r["control_to_big_batch"] is None else f"{r['control_to_big_batch']:.2e}"
-        print(f"{name:<40} {r['rank_diff']:>10.2e} {r['to_big_batch']:>13.2e} {control:>9}")
+        control_ranks = f"{r['control_rank_diff']:.2e}" if "control_rank_diff" in r else "-"
+        print(f"{name:<40} {r['rank_diff']:>10.2e} {r['to_big_batch']:>13.2e} {control:>9} {control_ranks:>10}")
+    print("control: torch.optim under the same launch (own loop: DDP + no_sync()); its ranks: their difference")
     if args.json:
         Path(args.json).write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1))
     return 0
