@@ -35,6 +35,11 @@ What it changes, and why:
   optimizer stepped directly inside accelerate's window, and a scheduler that would step per
   micro-batch raise ``ValueError``/``RuntimeError`` naming the fix.
 
+Several processes (``accelerate launch``): accelerate wraps the model in DistributedDataParallel
+in ``prepare``; the accum_fused optimizer takes DDP's gradient sync over at the model's first
+forward (accum_fused/ddp.py) and all-reduces its window once per update. DeepSpeed, Megatron-LM,
+XLA and accelerate's FSDP plugin are refused at ``prepare``.
+
 ``in_backward=True`` with ``accumulation_steps=1`` (mode A) fits accelerate's own accumulation
 unchanged (``Accelerator(gradient_accumulation_steps=k)`` + ``accelerator.accumulate``):
 accelerate keeps its scheduler and partial-window logic, and the loss weighting is then yours

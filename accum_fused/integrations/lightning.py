@@ -22,6 +22,10 @@ attributes, and the window is one object (``opt._window``) the optimizer's prope
 ``self.optimizers().flush()`` / ``.update_count`` / ``.set_micro_batch_weight`` act on the real
 optimizer's window.
 
+Under ``strategy="ddp"`` (``"ddp_spawn"``, ``"ddp_notebook"``) Lightning wraps the model in
+DistributedDataParallel; the optimizer takes DDP's gradient sync over (accum_fused/ddp.py) and
+all-reduces its window once per update. Other multi-process strategies are refused at fit start.
+
 Lightning's own counters count micro-batches here: ``trainer.global_step``, ``max_steps``,
 ``every_n_train_steps``, ``log_every_n_steps``. Updates are ``opt.update_count``.
 

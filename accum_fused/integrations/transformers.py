@@ -14,6 +14,11 @@ the backward passes into fp32 buffers and frees ``.grad`` at once. What the Trai
 wrong with it -- clip ``.grad``, which in_backward has freed, so ``max_grad_norm`` would clip
 nothing -- the callback moves into the optimizer's window clip; every other combination that
 would train wrong raises at the start of training, naming the fix.
+
+Under ``torchrun`` or ``accelerate launch`` the Trainer wraps the model in DistributedDataParallel
+after the optimizer was built; the optimizer takes DDP's gradient sync over at the model's first
+forward (accum_fused/ddp.py), and the Trainer's own scaling (``num_items_in_batch`` gathered over
+the processes, the loss times their number) comes out as the global token mean.
 """
 from __future__ import annotations
 
