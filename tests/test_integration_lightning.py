@@ -371,3 +371,19 @@ def test_equal_weights_on_purpose():
                            limit_train_batches=6)
     trainer.fit(module, loader())
     assert trainer.optimizers[0].update_count == 2
+
+
+def test_multi_process_strategies_other_than_ddp_are_refused(monkeypatch):
+    """DeepSpeed (a DDPStrategy subclass in Lightning) and FSDP own the gradients or the step:
+    refused at fit start, naming what is supported. (Two processes are not started here: the
+    check reads the Trainer's strategy and world size.)"""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    monkeypatch.setattr(type(trainer), "world_size", property(lambda self: 2))
+    monkeypatch.setattr(type(trainer), "strategy", property(lambda self: DeepSpeedStrategy.__new__(DeepSpeedStrategy)))
+    module = TokenLM()
+    opt = adamw()(module.model.parameters())
+    with pytest.raises(NotImplementedError, match="DeepSpeedStrategy"):
+        af_pl.AccumFusedCallback()._check(trainer, module, opt)

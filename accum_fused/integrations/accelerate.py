@@ -59,7 +59,7 @@ __all__ = ["Accelerator", "AcceleratedAccumFusedOptimizer", "unwrap"]
 
 _OURS = (SGD, Adam, AdamW, GradientAccumulator)
 # accelerate wraps the model in DistributedDataParallel for these; the accum_fused optimizer then
-# takes DDP's gradient sync over (one weighted all-reduce per update; accum_fused/distributed.py).
+# takes DDP's gradient sync over (one weighted all-reduce per update; accum_fused/ddp.py).
 _ONE_PROCESS_OR_DDP = {DistributedType.NO, *(t for t in DistributedType if t.name.startswith("MULTI_"))}
 
 

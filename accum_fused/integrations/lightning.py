@@ -42,7 +42,7 @@ import math
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -169,9 +169,11 @@ class AccumFusedCallback(pl.Callback):
         name = type(opt).__name__
         k = opt.accumulation_steps
         self._check_accumulation(trainer, opt)
-        if trainer.world_size > 1 and not isinstance(trainer.strategy, DDPStrategy):
+        ddp = isinstance(trainer.strategy, DDPStrategy) and not isinstance(trainer.strategy, DeepSpeedStrategy)
+        if trainer.world_size > 1 and not ddp:
             # Under DDP the optimizer takes DDP's gradient sync over (one weighted all-reduce per
-            # update, accum_fused/distributed.py); other strategies own the gradients themselves.
+            # update, accum_fused/ddp.py); other strategies (DeepSpeed's is a DDPStrategy subclass)
+            # own the gradients or the optimizer step themselves.
             raise NotImplementedError(
                 f"{name} under Lightning's {type(trainer.strategy).__name__} on {trainer.world_size} processes: "
                 "accum_fused supports one device and DDP (strategy=\"ddp\", \"ddp_spawn\", \"ddp_notebook\"). "
