@@ -6,10 +6,11 @@ Lightning's own ``strategy="ddp"`` launcher.
 
 Each JOB trains the tiny GPT-2 of ``_framework_truth`` with a README recipe, unchanged, and
 saves what the test compares, per rank, to ``OUT_DIR/<run>-rank<R>.pt``: the final parameters,
-the learning rate of every update and the number of updates. The data is the single-process
-tests' (72 sequences of length 3-48, micro-batches of 4); the frameworks deal micro-batches to
-the ranks round-robin, so a window of k micro-batches per rank is the big batch's window of
-2k consecutive micro-batches.
+the learning rate of every update and the number of updates. The data: 112 sequences of length
+3-48 (``_framework_truth``), micro-batches of 4, k=4 per rank. accelerate (under the Trainer
+too) deals micro-batches to the ranks round-robin, so a window of k micro-batches per rank is
+the big batch's window of 2k consecutive micro-batches; Lightning's shuffling DistributedSampler
+deals sequences (``lightning_order``).
 """
 from __future__ import annotations
 
