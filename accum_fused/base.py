@@ -64,6 +64,8 @@ class AccumulatingOptimizer:
     _step_supports_amp_scaling = True
     # State that stays in state_dtype whatever the parameter dtype (torch would cast it).
     _wide_state_keys: tuple[str, ...] = ()
+    # The dtype the elementwise state follows when a parameter changes dtype or device (None: kept).
+    _state_dtype_of = staticmethod(state_dtype)
     # Fuse the window's last micro-batch into the update pass when nothing needs the whole
     # window's sums first (clipping, a cross-rank reduce).
     _folds_last_micro_batch = True

@@ -26,11 +26,11 @@ def state_dtype(param: Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
-def conform_state(state, params, name_of) -> None:
+def conform_state(state, params, name_of, dtype_of=state_dtype) -> None:
     """Optimizer ``state`` (torch's per-parameter dicts) follows its parameters: elementwise
-    entries are moved to ``state_dtype(p)`` and ``p``'s device after a ``model.to(...)``; an
-    entry of another shape came from another model's checkpoint and raises (``name_of(p)``
-    names the parameter)."""
+    entries are moved to ``dtype_of(p)`` (None: the entry keeps its dtype) and ``p``'s device
+    after a ``model.to(...)``; an entry of another shape came from another model's checkpoint
+    and raises (``name_of(p)`` names the parameter)."""
     for p in params:
         p_state = state.get(p, {})
         for key in ELEMENTWISE_STATE:
@@ -42,8 +42,9 @@ def conform_state(state, params, name_of) -> None:
                     f"optimizer state {key!r} of {name_of(p)} has shape {tuple(value.shape)}: the loaded "
                     "state_dict belongs to another model; load one saved from this model's optimizer"
                 )
-            if value.dtype != state_dtype(p) or value.device != p.device:
-                p_state[key] = value.to(device=p.device, dtype=state_dtype(p))
+            dtype = dtype_of(p) or value.dtype
+            if value.dtype != dtype or value.device != p.device:
+                p_state[key] = value.to(device=p.device, dtype=dtype)
 
 
 def is_dtensor(t: Tensor) -> bool:

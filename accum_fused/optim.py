@@ -220,6 +220,12 @@ class GradientAccumulator(AccumulatingOptimizer, torch.optim.Optimizer):
     def state(self):
         return self.optimizer.state
 
+    @staticmethod
+    def _state_dtype_of(p):
+        """The wrapped optimizer's state keeps the dtype it created (torch.optim's Adam makes bf16
+        moments for bf16 parameters and needs them so); only its device follows the parameter."""
+        return None
+
     @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults

@@ -263,7 +263,7 @@ class Window:
                 else:
                     self.buffers[p] = buf.to(device=p.device, dtype=state_dtype(p))
         if closing:
-            conform_state(opt.state, params, opt._param_name)  # the update reads the state next
+            conform_state(opt.state, params, opt._param_name, opt._state_dtype_of)  # the update reads it next
 
     # ------------------------------------------------------------------------- closing
     def close(self, opt, last_pairs=(), last_weight: float = 1.0, grad_scale: Tensor | None = None,

@@ -242,3 +242,34 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError, match="weight"):
         opt.step(weight=0.0)
     assert opt.micro_step == 0
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "NAdam", "Adamax"])
+def test_bf16_parameters_run_as_the_wrapped_optimizer_does(name):
+    """bf16 parameters: the wrapped optimizer keeps the state it created (bf16 moments, as
+    torch.optim makes them) and steps on the window gradient rounded to bf16, exactly as it
+    steps natively on bf16 parameters given that gradient (issue 21, row 8: the second update
+    used to raise, the moments having been widened to fp32 under it)."""
+    make = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "NAdam": torch.optim.NAdam,
+            "Adamax": torch.optim.Adamax}[name]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3).to(torch.bfloat16)
+    native = copy.deepcopy(model)
+    opt = accum_fused.GradientAccumulator(make(model.parameters(), lr=1e-2), accumulation_steps=2)
+    ref = make(native.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = []
+        for _ in range(2):
+            x = torch.randn(4, 5, generator=gen).to(torch.bfloat16)
+            model(x).square().mean().backward()
+            grads.append([p.grad.float() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+        for p, g1, g2 in zip(native.parameters(), *grads):
+            p.grad = ((g1 + g2) / 2).to(torch.bfloat16)
+        ref.step()
+        assert opt.updated
+    for p, q in zip(model.parameters(), native.parameters()):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q), (p - q).abs().max()
+    assert all(v.dtype == torch.bfloat16 for s in opt.state.values() for v in s.values() if v.dim() > 0)
