@@ -344,3 +344,30 @@ def test_torch_dcp_state_dict_api_on_a_plain_model():
     set_optimizer_state_dict(model, fresh, saved)
     assert all(torch.equal(fresh.state[p]["exp_avg"], opt.state[p]["exp_avg"]) for p in model.parameters())
     assert fresh.micro_step == 0
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("name,hyper", CONFIGS + [pytest.param("wrapped", {}, id="GradientAccumulator-Adagrad")])
+def test_mid_window_copy_continues_bit_exactly(backend, name, hyper, how):
+    """copy.deepcopy((model, opt)) or a pickle round trip in the middle of a plain-mode window
+    (EMA/SWA copies, multiprocessing): the copy continues exactly as the original (issue 21,
+    row 7: the copy's first step() used to raise AttributeError)."""
+    import pickle
+
+    k = 4
+    batches = make_batches([3, 5, 1, 7, 2, 6, 4, 4, 1, 1, 9])
+    model = make_model(seed=0)
+    if name == "wrapped":
+        opt = accum_fused.GradientAccumulator(torch.optim.Adagrad(model.parameters(), lr=0.1), k, backend=backend)
+    else:
+        opt = OPTIMIZERS[name][0](model.parameters(), accumulation_steps=k, backend=backend, **hyper)
+    train_accum(opt, model, batches[:6], weighted=True)  # one window and 2 micro-batches
+    copied_model, copied = (copy.deepcopy((model, opt)) if how == "deepcopy"
+                            else pickle.loads(pickle.dumps((model, opt))))
+    assert all_params(copied)[0] is next(copied_model.parameters())  # the copy updates its own model
+    for o, m in ((opt, model), (copied, copied_model)):
+        train_accum(o, m, batches[6:], weighted=True)
+        assert (o.update_count, o.micro_step) == (2, 3)
+        assert o.flush() is True
+    assert_params_equal(copied_model, model)
+    _assert_state_equal(copied, opt)
