@@ -184,7 +184,10 @@ def split_accumulation_entry(opt, state_dict: dict[str, Any]):
 
 def _check_accumulation_entry(opt, accumulation: dict[str, Any], by_id: dict) -> None:
     micro_step = accumulation["micro_step"]
-    if not 0 <= micro_step < opt.accumulation_steps:
+    # in_backward mode A (accumulation_steps=1): the caller's loop owns the window, which holds
+    # as many backward passes as that loop ran before step(); any count fits.
+    mode_a = getattr(opt, "in_backward", False) and opt.accumulation_steps == 1
+    if not (0 <= micro_step and (mode_a or micro_step < opt.accumulation_steps)):
         raise ValueError(
             f"checkpoint holds an open window of {micro_step} micro-batches, which does not fit "
             f"accumulation_steps={opt.accumulation_steps} of this optimizer"

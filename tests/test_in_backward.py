@@ -345,3 +345,41 @@ def test_adopted_gradients_are_not_held_between_windows(backend):
     opt.step()
     opt.zero_grad()
     assert opt._window.buffers == {} and not opt._window.adopted
+
+
+def test_mode_a_checkpoint_between_backward_and_step_resumes_bit_exactly(backend):
+    """Mode A: a checkpoint saved after the window's backward passes but before step() (any
+    number of them: the caller's loop owns the window) loads into a fresh mode-A optimizer and
+    resumes bit-exactly (issue 21, row 9: it used to raise "does not fit accumulation_steps=1")."""
+    import io
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    opt = accum_fused.AdamW(model.parameters(), lr=0.05, in_backward=True, max_grad_norm=0.5, backend=backend)
+    xs = [torch.randn(5, 4, generator=torch.Generator().manual_seed(i)) for i in range(7)]
+
+    def window(model, opt, batch):
+        for x in batch:
+            model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    window(model, opt, xs[:2])
+    for x in xs[2:4]:  # two backward passes of the next window, then the checkpoint
+        model(x).square().mean().backward()
+    blob = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, blob)
+    blob.seek(0)
+    saved = torch.load(blob)
+    resumed_model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    resumed_model.load_state_dict(saved["model"])
+    resumed = accum_fused.AdamW(resumed_model.parameters(), lr=0.05, in_backward=True, max_grad_norm=0.5,
+                                backend=backend)
+    resumed.load_state_dict(saved["opt"])
+    assert resumed.micro_step == opt.micro_step == 2
+    for m, o in ((model, opt), (resumed_model, resumed)):
+        window(m, o, xs[4:5])  # the window's third backward, then step()
+        window(m, o, xs[5:7])
+        assert o.update_count == 3
+    for a, b in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b), (a - b).abs().max()
