@@ -315,15 +315,7 @@ def ddp_mismatched_windows(name, rank, backend, group, data):
     model = Net(seed=100 + rank)
     ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
     opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=2, backend=backend)
-    batches = data[rank][0][:1] if rank == 0 else data[rank][0][:2]
-    try:
-        train(ddp, opt, batches)
-        if rank == 0:
-            opt.flush()
-    except RuntimeError as exc:
-        assert "same number of windows" in str(exc), str(exc)
-    else:
-        raise AssertionError("no error for ranks closing windows differently")
+    _expect_mismatched_windows_error(ddp, opt, rank, data)
 
 
 def ddp_wrapped_after_first_window(name, rank, backend, group, data):
@@ -364,20 +356,26 @@ def empty_flush(name, rank, backend, group, data):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def mismatched_windows(name, rank, backend, group, data):
-    """Rank 1 closes a window in step() while rank 0 flushes: a clear error on both ranks,
-    not a hang or a silent mix-up."""
-    model = Net(seed=100 + rank)
-    opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=2, process_group=group, backend=backend)
+def _expect_mismatched_windows_error(forward, opt, rank, data) -> None:
+    """Rank 0 flushes one micro-batch while rank 1 closes a window of two in step(): both
+    ranks must raise "same number of windows"."""
     batches = data[rank][0][:1] if rank == 0 else data[rank][0][:2]
     try:
-        train(model, opt, batches)
+        train(forward, opt, batches)
         if rank == 0:
             opt.flush()
     except RuntimeError as exc:
         assert "same number of windows" in str(exc), str(exc)
     else:
         raise AssertionError("no error for ranks closing windows differently")
+
+
+def mismatched_windows(name, rank, backend, group, data):
+    """Rank 1 closes a window in step() while rank 0 flushes: a clear error on both ranks,
+    not a hang or a silent mix-up."""
+    model = Net(seed=100 + rank)
+    opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=2, process_group=group, backend=backend)
+    _expect_mismatched_windows_error(model, opt, rank, data)
 
 
 def in_backward_big_batch(name, rank, backend, group, data):
