@@ -90,6 +90,10 @@ class AccumulatingOptimizer:
         self.process_group = process_group
         self.in_backward = in_backward
         self._hook_handles: list = []
+        # What close() undoes early and collection undoes anyway (weakref.finalize objects): the
+        # in-backward hooks, DDP's own sync turned off (ddp.py).
+        self._releases: list = []
+        self._closed = False
         name, params = type(self).__name__, self._all_params()
         mesh = self._check_params(params)
         # FSDP2 (DTensor parameters): the ranks of the mesh agree once per window (ShardSync).
@@ -194,6 +198,7 @@ class AccumulatingOptimizer:
         if not getattr(self, "_framework_checked", False):
             guard.check_first_step(self)  # a framework loop that would drive it wrong raises
             self._framework_checked = True
+        self._check_open("step()")
         win = self._window
         if weight is not None:
             weight = _check_weight(weight)
@@ -231,15 +236,19 @@ class AccumulatingOptimizer:
         process_group it is collective: call it on every rank, including ranks whose window is
         empty."""
         win = self._window
-        if win.backward_pass is not None:
-            raise RuntimeError("flush() was called inside a backward pass; call it after backward returns")
+        self._check_open("flush()")
+        hooks.check_not_in_backward(self, "flush()")
         if self.in_backward and self.accumulation_steps == 1:
             win.weight_sum = 1.0 if win.live else 0.0  # mode A: a sum (see Window.add_micro_batch)
         if not (win.micro_step > 0 or win.spans_ranks):
             win.updated = False
             return False
         win.conform(self, list(win.live), closing=True)
-        return win.close(self, flushing=True)
+        # An update outside step(): torch's step hooks run around it, as around step()'s.
+        self._run_step_hooks(post=False)
+        applied = win.close(self, flushing=True)
+        self._run_step_hooks(post=True)
+        return applied
 
     def set_micro_batch_weight(self, weight: float | Tensor) -> None:
         """The weight of the micro-batch being accumulated now, for loops that call ``step()``
@@ -270,6 +279,7 @@ class AccumulatingOptimizer:
         before it returns (``updated`` says so). With ``accumulation_steps=1`` the gradients
         are summed (weight must be 1) and ``step()`` applies them."""
         win = self._window
+        self._check_open("backward()")
         if weight is None:
             weight = 1.0 if win.pending_weight is None else win.pending_weight
         weight = _check_weight(weight)
@@ -290,7 +300,40 @@ class AccumulatingOptimizer:
         super().zero_grad(set_to_none)
         if (getattr(self, "in_backward", False) and self.accumulation_steps == 1
                 and not called_from_torch_checkpoint("_init_optim_state")):  # clearing its own zero grads
+            hooks.check_not_in_backward(self, "zero_grad()")
             self._window.discard()
+
+    def close(self) -> None:
+        """Stop taking gradients: with in_backward, the hooks on the parameters go (their
+        gradients land in ``.grad`` again, and another optimizer may be built on them); with a
+        DistributedDataParallel model, DDP's own gradient sync is back. What the optimizer holds
+        stays (``state_dict()`` still saves its open window), but ``step()``, ``backward()`` and
+        ``flush()`` raise afterwards. Collecting the optimizer does the same. Idempotent."""
+        for release in self._releases:
+            release()
+        self._releases.clear()
+        ddp.window_closed(self, closing_optimizer=True)
+        if self.in_backward:
+            hooks.close(self)
+        self._closed = True
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what} on a {type(self).__name__} that was closed (close()); build a new optimizer")
+
+    def _run_step_hooks(self, post: bool) -> None:
+        """torch.optim's step pre- or post-hooks (global and this optimizer's), for an update that
+        does not happen inside step(): mode B's inside backward, flush()'s. As after step(), an LR
+        scheduler then sees that the optimizer stepped. A pre-hook's return value, which would
+        replace step()'s arguments, has nothing to replace here."""
+        from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+        if post:
+            self._opt_called = True  # what torch's LRScheduler checks (it wraps step() to set it)
+            chain = [*self._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()]
+        else:
+            chain = [*_global_optimizer_pre_hooks.values(), *self._optimizer_step_pre_hooks.values()]
+        for hook in chain:
+            hook(self, (), {})
 
     # --------------------------------------------------------------------------- updating
     def _apply_window(self, last_grads, last_weight, grad_scale, weight_sum, clip_coef) -> None:
@@ -329,6 +372,7 @@ class AccumulatingOptimizer:
         """torch's state_dict plus an ``"accumulation"`` entry with the open window: its
         buffers (by parameter index, as in ``"state"``), counters and GradScaler flag. With
         FSDP2 parameters the window is carried inside "state" and "param_groups" instead."""
+        hooks.settle_if_failed(self)
         return checkpoint.state_dict(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from .layout import is_dtensor, state_dtype
 
 # What deepcopy / pickle keep besides torch's defaults / state / param_groups.
 ACCUMULATION_ATTRS = ("accumulation_steps", "max_grad_norm", "backend", "_window", "process_group",
-                      "in_backward", "_hook_handles")
+                      "in_backward", "_hook_handles", "_closed")
 
 
 def called_from_torch_checkpoint(function: str) -> bool:
@@ -65,6 +65,8 @@ def restore_defaults(attrs: dict[str, Any]) -> None:
     attrs.setdefault("process_group", None)
     attrs.setdefault("in_backward", False)
     attrs.setdefault("_hook_handles", [])
+    attrs.setdefault("_releases", [])  # a copy owns no hooks or DDP module
+    attrs.setdefault("_closed", False)
 
 
 # ------------------------------------------------------------------------------ saving

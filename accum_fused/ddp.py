@@ -29,14 +29,15 @@ def attach(opt, params) -> None:
     opt._ddp_watch = None if modules else distributed.watch_for_ddp(opt, _found)
 
 
-def window_closed(opt) -> None:
+def window_closed(opt, closing_optimizer: bool = False) -> None:
     """Stop watching once the first window has closed (the global forward hook costs every
     module call), except for an optimizer that reduces nothing in a job of several processes:
     a DDP module wrapped later would leave its ranks training apart (mode A/B) or weighting
     DDP's per-micro-batch average by local weights (plain mode), so it keeps watching and takes
-    the module over at its first forward, whenever that comes."""
+    the module over at its first forward, whenever that comes. ``opt.close()`` stops it always."""
     watch = getattr(opt, "_ddp_watch", None)
-    if watch is not None and not (opt.process_group is None and distributed.several_processes()):
+    if watch is not None and (closing_optimizer
+                              or not (opt.process_group is None and distributed.several_processes())):
         distributed.unwatch_ddp(watch)
         opt._ddp_watch = None
 
@@ -63,4 +64,4 @@ def _take(opt, module) -> None:
         distributed.check_same_ranks(opt.process_group, module, name)
     this = weakref.ref(opt)
     release = distributed.own_ddp_sync(module, lambda: None if this() is None else this()._all_params())
-    weakref.finalize(opt, release)
+    opt._releases.append(weakref.finalize(opt, release))

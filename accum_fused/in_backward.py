@@ -18,25 +18,81 @@ Each hook holds its optimizer weakly: when the optimizer is collected, its hooks
 """
 from __future__ import annotations
 
-import functools
+import warnings
 import weakref
 from typing import Callable
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .layout import is_dtensor, kernel_view, state_dtype
+
+
+# The live in_backward optimizer taking each parameter's gradients (held weakly both ways):
+# a second one on the same parameters, or a foreign optimizer stepping them, would find no
+# gradient, so both are refused (``claim``, ``_refuse_foreign_step``).
+_owner_of = WeakIdKeyDictionary()
+_foreign_check = None  # the global step pre-hook, installed with the first in_backward optimizer
+_claims = 0  # bumped on every claim: optimizers checked clean before it are checked again
+_checked = WeakIdKeyDictionary()  # foreign optimizer -> (_claims, its parameter count) when found clean
 
 
 class BackwardPass:
     """The micro-batch a running backward pass is adding."""
 
-    def __init__(self, weight: float, weight_sum: float, closing: bool, fold: bool):
+    def __init__(self, weight: float, weight_sum: float, closing: bool, fold: bool, own: bool):
         self.weight, self.weight_sum = weight, weight_sum  # in the window's units, sum including this one
         self.closing = closing  # the window's last micro-batch
         self.fold = fold  # update each parameter inside its hook
+        self.own = own  # run by opt.backward(): on failure it is taken out of the window again
         self.seen: set[Tensor] = set()
         self.done: set[Tensor] = set()
+        # What a failed opt.backward takes back (mode B): parameters whose buffer this pass
+        # started, and the gradients it added into live buffers (held until the pass ends).
+        self.started: list[Tensor] = []
+        self.added: list[tuple[Tensor, Tensor]] = []
+        # Weakly, the callable that ends the pass (queued on the autograd engine). A graph task
+        # that raises drops its callbacks unrun: a pass whose ender is gone while the pass is
+        # still open belongs to a backward that failed.
+        self.ender: weakref.ref | None = None
+
+    def failed(self) -> bool:
+        return self.ender is not None and self.ender() is None
+
+
+class _EndPass:
+    """Queued on the autograd engine by a pass's first hook; ends the pass when its backward is
+    done. A backward nested inside an outer one (a reentrant checkpoint's, or one run inside a
+    custom Function's backward) finishes while the outer node still runs: the micro-batch then
+    goes on until the outer backward is done (one backward call = one micro-batch)."""
+
+    def __init__(self, opt):
+        self.opt_ref = weakref.ref(opt)
+
+    def __call__(self) -> None:
+        opt = self.opt_ref()
+        if opt is None or opt._window.backward_pass is None:
+            return
+        outer = torch._C._current_autograd_node()
+        if outer is None:
+            end_pass(opt)
+            return
+        mb = opt._window.backward_pass
+
+        def outer_done(grad_inputs, grad_outputs):
+            handle.remove()
+            mb.ender = _queue_end(opt)
+
+        handle = outer.register_hook(outer_done)
+        mb.ender = weakref.ref(outer_done)
+
+
+def _queue_end(opt) -> weakref.ref:
+    ender = _EndPass(opt)
+    torch.autograd.Variable._execution_engine.queue_callback(ender)
+    return weakref.ref(ender)
 
 
 def _make_grad_hook(optimizer_ref: weakref.ref) -> Callable[[Tensor], None]:
@@ -49,18 +105,81 @@ def _make_grad_hook(optimizer_ref: weakref.ref) -> Callable[[Tensor], None]:
 
 def install(opt) -> None:
     """Hooks on every parameter of ``opt`` (construction); ``add_param_group`` adds more."""
+    opt._unhooked = []
     register_hooks(opt, opt._all_params())
-    # Hooks hold the optimizer weakly; when it is collected they go with it.
-    weakref.finalize(opt, remove_hooks, opt._hook_handles)
+    # Hooks hold the optimizer weakly; when it is collected they go with it (close() earlier).
+    opt._releases.append(weakref.finalize(opt, remove_hooks, opt._hook_handles))
 
 
 def register_hooks(opt, params) -> None:
-    """A post-accumulate-grad hook on each of ``params`` that requires grad."""
+    """A post-accumulate-grad hook on each of ``params`` that requires grad; the others are
+    hooked when a backward pass finds them unfrozen (``_hook_unfrozen``)."""
+    params = list(params)
+    claim(opt, params)
     hook = _make_grad_hook(weakref.ref(opt))
     for p in params:
         if p.requires_grad:
             opt._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
+        else:
+            opt._unhooked.append(p)
     opt._group_of = {p: group for group in opt.param_groups for p in group["params"]}
+
+
+def claim(opt, params) -> None:
+    """Record ``opt`` as the taker of ``params``' gradients, refusing (before anything is
+    recorded) parameters another live in_backward optimizer takes."""
+    global _foreign_check, _claims
+    for p in params:
+        owner = _owner(p)
+        if owner is not None and owner is not opt:
+            raise RuntimeError(
+                f"{opt._param_name(p)} already has its gradients taken inside backward by a live "
+                f"{type(owner).__name__}(in_backward=True) (a notebook cell re-run keeps the old optimizer alive "
+                "through its LR scheduler or a variable): call old_optimizer.close() first, then build this one"
+            )
+    this = weakref.ref(opt)
+    for p in params:
+        _owner_of[p] = this
+    _claims += 1
+    if _foreign_check is None:
+        _foreign_check = register_optimizer_step_pre_hook(_refuse_foreign_step)
+
+
+def _owner(p: Tensor):
+    ref = _owner_of.get(p)
+    return None if ref is None else ref()
+
+
+def release_claims(opt) -> None:
+    for p in opt._all_params():
+        if _owner(p) is opt:
+            del _owner_of[p]
+
+
+def _refuse_foreign_step(optimizer, args, kwargs) -> None:
+    """Global step pre-hook: an optimizer stepping parameters whose gradients a live in_backward
+    optimizer takes would see no .grad and silently do nothing for them."""
+    if not _owner_of:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if _checked.get(optimizer) == (_claims, len(params)):
+        return
+    for p in params:
+        owner = _owner(p)
+        if owner is not None and owner is not optimizer:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() updates a parameter (shape {tuple(p.shape)}) whose gradients "
+                f"a live {type(owner).__name__}(in_backward=True) takes inside backward (.grad is freed there), so "
+                "this step would see no gradient: call that optimizer's close() first (or use only one of them)"
+            )
+    _checked[optimizer] = (_claims, len(params))
+
+
+def close(opt) -> None:
+    """opt.close(): hooks off, parameters free for another optimizer."""
+    remove_hooks(opt._hook_handles)
+    release_claims(opt)
+    opt._unhooked = []
 
 
 def remove_hooks(handles: list) -> None:
@@ -88,20 +207,37 @@ def check_step(opt, weight: float) -> None:
             "step(weight=...) has no meaning with in_backward=True and accumulation_steps=1: the gradients "
             "were summed during backward, as autograd sums .grad; scale the loss instead"
         )
+    check_not_in_backward(opt, "step()")
+
+
+def check_not_in_backward(opt, what: str) -> None:
+    """Refuse ``what`` inside a backward pass; a pass left open by a backward that failed is
+    settled first (``settle_failed_pass``), so a failure never leaves the optimizer stuck."""
+    settle_if_failed(opt)
     if opt._window.backward_pass is not None:
-        raise RuntimeError("step() was called inside a backward pass; call it after backward returns")
+        raise RuntimeError(f"{what} was called inside a backward pass; call it after backward returns")
+
+
+def settle_if_failed(opt) -> None:
+    mb = opt._window.backward_pass
+    if mb is not None and mb.failed():
+        settle_failed_pass(opt)
 
 
 def backward(opt, loss: Tensor, weight: float, backward_kwargs: dict) -> None:
     """opt.backward(loss, weight=) with in_backward: one backward pass as one micro-batch of
-    ``weight`` (mode B; the window's last applies the update) or summed into mode A's window."""
+    ``weight`` (mode B; the window's last applies the update) or summed into mode A's window.
+    In mode B, once opt.backward is used only its passes are micro-batches (another backward
+    reaching the parameters leaves .grad as torch would), and a pass that raises is taken out
+    of the window again."""
     win = opt._window
     if opt.accumulation_steps == 1 and weight != 1.0:
         raise ValueError("with in_backward=True and accumulation_steps=1 the backward passes are summed: "
                          "weight must be 1 (scale the loss instead), or set accumulation_steps")
-    if win.backward_pass is not None:
-        raise RuntimeError("opt.backward() was called inside another backward pass")
+    check_not_in_backward(opt, "opt.backward()")
     win.pending_weight = weight
+    win.own_backward = True
+    win.backward_owned |= opt.accumulation_steps > 1
     try:
         torch.autograd.backward(loss, **backward_kwargs)
         if win.pending_weight is not None:
@@ -110,9 +246,49 @@ def backward(opt, loss: Tensor, weight: float, backward_kwargs: dict) -> None:
             win.hold_grads()
             begin_pass(opt)
             end_pass(opt)
+    except BaseException:
+        if win.backward_pass is not None:
+            settle_failed_pass(opt)
+        raise
     finally:
         win.pending_weight = None
+        win.own_backward = False
         win.backward_pass = None
+
+
+def settle_failed_pass(opt) -> None:
+    """The backward pass that opened the window's ``backward_pass`` raised before its end.
+    Mode A keeps what it summed, as autograd keeps a failed pass's partial gradients in .grad
+    (``zero_grad()`` discards both). Mode B through opt.backward takes the pass out of the window
+    again: buffers it started are dropped, the gradients it added are subtracted (equal to the
+    window before it up to fp32 rounding). What cannot be taken back is said in a warning: a
+    pass run by loss.backward() (its gradients were not kept), or a window's last micro-batch
+    whose update had begun inside backward (that window is discarded)."""
+    win = opt._window
+    mb, win.backward_pass = win.backward_pass, None
+    if opt.accumulation_steps == 1 or not mb.seen:
+        return
+    if mb.done:
+        win.discard()
+        warnings.warn(
+            f"{type(opt).__name__}(in_backward=True): the backward pass of the window's last micro-batch failed "
+            f"after {len(mb.done)} parameter(s) had been updated inside it; the other parameters were not "
+            "updated and the window was discarded", RuntimeWarning, stacklevel=3)
+        return
+    if not mb.own:
+        warnings.warn(
+            f"{type(opt).__name__}(in_backward=True): a backward pass run by loss.backward() failed after "
+            f"{len(mb.seen)} parameter(s) had added their gradients to the window; they stay in it. Run the "
+            "micro-batches with opt.backward(loss, weight=...) to have a failed one taken out again",
+            RuntimeWarning, stacklevel=3)
+        return
+    for p in mb.started:
+        win.live.discard(p)
+        if p in win.adopted:
+            win.adopted.discard(p)
+            del win.buffers[p]
+    for p, grad in reversed(mb.added):
+        win.accumulate_one(p, grad, -mb.weight, opt._backend_for(p))
 
 
 @torch.no_grad()
@@ -128,27 +304,43 @@ def take_grad(opt, p: Tensor) -> None:
                            "use nn.Embedding(sparse=False)")
     win = opt._window
     mb = win.backward_pass
+    if mb is not None and mb.failed():
+        settle_failed_pass(opt)
+        mb = None
     if mb is None:
+        if win.backward_owned and not win.own_backward:
+            return  # not a micro-batch of this optimizer (a GAN's other loss): .grad stays, as torch leaves it
         mb = begin_pass(opt)
-        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(end_pass, opt))
-    if p in mb.seen:
+        mb.ender = _queue_end(opt)
+    again = p in mb.seen
+    if again and (p in mb.done or (mb.closing and win.sync is not None)):
+        # (a parameter used both inside and outside a reentrant checkpoint gets two)
         raise RuntimeError(
-            f"{opt._param_name(p)} received two gradients in one backward pass (its post-accumulate-grad hook "
-            "fired twice, e.g. under compiled autograd or a reentrant checkpoint): in_backward cannot tell "
-            "its micro-batches apart; use in_backward=False"
+            f"{opt._param_name(p)} received a second gradient in the backward pass of the window's last "
+            "micro-batch after its update (or its cross-rank reduction) had begun inside backward: use "
+            "checkpoint(use_reentrant=False), or set max_grad_norm without ranks"
         )
     mb.seen.add(p)
     p.grad = None
-    if mb.fold:
+    hold = mb.own and opt.accumulation_steps > 1  # a failed opt.backward takes the pass back out
+    if mb.fold and not again:
         opt._update(opt._backend_for(p), opt._group_of[p], [p], [kernel_view(win.buffer(p))], weight_sum=mb.weight_sum,
                     clip_coef=None, grads=[kernel_view(grad)], weight=mb.weight, overwrite=p not in win.live,
                     grad_scale=None)
         mb.done.add(p)
-    elif p not in win.live and _can_adopt(win, p, grad, mb.weight):
-        win.adopt(p, grad)
+        return
+    if p not in win.live:
+        if hold:
+            mb.started.append(p)
+        if _can_adopt(win, p, grad, mb.weight):
+            win.adopt(p, grad)
+        else:
+            win.accumulate_one(p, grad, mb.weight, opt._backend_for(p))
     else:
+        if hold:
+            mb.added.append((p, grad))
         win.accumulate_one(p, grad, mb.weight, opt._backend_for(p))
-    if mb.closing and win.sync is not None:
+    if mb.closing and win.sync is not None and not again:
         win.sync.grad_ready(p)  # may launch its bucket's all-reduce while backward goes on
 
 
@@ -162,22 +354,43 @@ def _can_adopt(win, p: Tensor, grad: Tensor, weight: float) -> bool:
 
 def begin_pass(opt) -> BackwardPass:
     """The first gradient of a backward pass arrived (or opt.backward saw none): open its
-    micro-batch in the window."""
+    micro-batch in the window. On the window's last micro-batch in mode B, the update happens in
+    this pass: torch's step pre-hooks run now (``step()`` runs them in plain mode and mode A)."""
     win = opt._window
     closing = opt.accumulation_steps > 1 and win.micro_step + 1 >= opt.accumulation_steps
+    if closing:
+        opt._run_step_hooks(post=False)
     weight, weight_sum = win.begin_micro_batch(opt, win.take_pending_weight(), closing)
     fold = closing and opt.max_grad_norm is None and not win.spans_ranks
     # With FSDP2, opt.backward scaled the loss by the weight: the gradients carry it.
     grad_weight = 1.0 if win.shards is not None else weight
-    win.backward_pass = BackwardPass(grad_weight, weight_sum, closing, fold)
+    win.backward_pass = BackwardPass(grad_weight, weight_sum, closing, fold, win.own_backward)
     return win.backward_pass
 
 
 @torch.no_grad()
 def end_pass(opt) -> None:
-    """Queued on the autograd engine by the first hook: runs once the backward pass is done.
-    The window counts the micro-batch and, on its last, closes."""
+    """The backward pass is done (queued on the autograd engine by the first hook). Parameters
+    unfrozen since their hooks were due join it; the window counts the micro-batch and, on its
+    last, closes, and torch's step post-hooks run."""
     win = opt._window
+    if win.backward_pass is not None:
+        _hook_unfrozen(opt)
     mb, win.backward_pass = win.backward_pass, None
     if mb is not None:
         win.finish_micro_batch(opt, mb.weight, mb.weight_sum, mb.closing, mb.done if mb.fold else None)
+        if mb.closing:
+            opt._run_step_hooks(post=True)
+
+
+def _hook_unfrozen(opt) -> None:
+    """Parameters that did not require grad when hooks were registered and do now
+    (``requires_grad_(True)`` later): hooked from now on, and a gradient this pass left in their
+    ``.grad`` joins the pass, so that they train as with torch.optim."""
+    unfrozen = [p for p in opt._unhooked if p.requires_grad]
+    if not unfrozen:
+        return
+    opt._unhooked = [p for p in opt._unhooked if not p.requires_grad]
+    register_hooks(opt, unfrozen)
+    for p in unfrozen:
+        take_grad(opt, p)

@@ -11,6 +11,7 @@ constructor arguments, defaults, validation messages and param-group layout are 
 """
 from __future__ import annotations
 
+import inspect
 import numbers
 from collections import OrderedDict, defaultdict
 from typing import Any
@@ -201,6 +202,13 @@ class GradientAccumulator(AccumulatingOptimizer, torch.optim.Optimizer):
                 f"{type(optimizer).__name__} already accumulates gradients: set its accumulation_steps "
                 "instead of wrapping it"
             )
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise TypeError(
+                f"{type(optimizer).__name__}.step(closure) needs a closure that recomputes the loss, possibly several "
+                "times per update (line search): a window of accumulated micro-batches has no loss to recompute. "
+                "Use it without GradientAccumulator, on the full batch"
+            )
         _check_accumulation_args(accumulation_steps, max_grad_norm, backend, False, False, process_group)
         self.optimizer = optimizer
         # What torch.optim.Optimizer.__init__ sets up besides param_groups/state (the inner
@@ -262,11 +270,14 @@ class GradientAccumulator(AccumulatingOptimizer, torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         checkpoint.refuse_copy(self)
-        # The watch for a DDP module (ddp.py) belongs to this object: a copy does not watch.
-        return {k: v for k, v in self.__dict__.items() if k != "_ddp_watch"}
+        # The watch for a DDP module (ddp.py) and the releases of what it owns belong to this
+        # object: a copy does not watch and owns nothing.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_ddp_watch", "_releases")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_releases", [])
+        self.__dict__.setdefault("_closed", False)
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state_dict plus the ``"accumulation"`` entry (open window)."""

@@ -75,8 +75,11 @@ class Window:
         self.late_weights: list[float | None] = []
         self.grads_held = False
         # in_backward.py's record of the backward pass running now (a BackwardPass), kept here so
-        # that every holder of the window sees the same one.
+        # that every holder of the window sees the same one; whether opt.backward() runs it, and
+        # whether opt.backward() was ever used in mode B (then only its passes are micro-batches).
         self.backward_pass = None
+        self.own_backward = False
+        self.backward_owned = False
         # Buffers that are autograd's own gradient tensors (in_backward zero-copy): dropped when
         # the window closes, since the next window adopts fresh ones (resident 12 B/param for
         # fp32 AdamW, as the native loop after zero_grad, instead of 16).

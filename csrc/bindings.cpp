@@ -174,6 +174,17 @@ std::vector<int64_t> layout_mismatches(const TensorList& tensors, const TensorLi
   return out;
 }
 
+// The kernels write through raw pointers, which autograd does not see: every tensor a call
+// writes in place gets its version counter bumped, as torch's in-place ops do, so that a
+// backward that saved one of them (a GAN's `out = D(x)` kept across an update) raises
+// autograd's in-place error instead of silently using the new values. Inference tensors have
+// no counter (torch.autograd.graph.increment_version skips them too).
+void bump_versions(const TensorList& written) {
+  for (const Tensor& t : written) {
+    if (!t.is_inference()) torch::autograd::impl::bump_version(t);
+  }
+}
+
 Tensor float_out(const Call& call, int64_t n) {
   return at::empty({n}, at::TensorOptions().dtype(at::kFloat).device(call.device));
 }
@@ -201,6 +212,7 @@ std::optional<Tensor> accumulate(const TensorList& grads, const TensorList& buff
     cpu::accumulate(call.entries, grad_dtype, accum, host_value(grad_scale), nws,
                     norms ? norms->data_ptr<float>() : nullptr);
   }
+  bump_versions(buffers);
   return norms;
 }
 
@@ -275,6 +287,8 @@ void sgd_update(const TensorList& params, const TensorList& buffers, const Tenso
     u.fold.grad_scale = u.fold.present ? host_value(grad_scale) : 1.0f;
     cpu::sgd_update(u.call.entries, u.param_dtype, u.fold, u.window, host_value(clip_coef), s);
   }
+  bump_versions(params);
+  if (s.has_momentum) bump_versions(momentum_buffers);
 }
 
 void adam_update(const TensorList& params, const TensorList& buffers, const TensorList& exp_avgs,
@@ -308,6 +322,7 @@ void adam_update(const TensorList& params, const TensorList& buffers, const Tens
     u.fold.grad_scale = u.fold.present ? host_value(grad_scale) : 1.0f;
     cpu::adam_update(u.call.entries, u.param_dtype, u.fold, u.window, host_value(clip_coef), s);
   }
+  for (const TensorList* written : {&params, &exp_avgs, &exp_avg_sqs, &max_exp_avg_sqs}) bump_versions(*written);
 }
 
 }  // namespace

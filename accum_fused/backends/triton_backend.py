@@ -38,6 +38,7 @@ from collections import OrderedDict
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import increment_version  # the kernels write through pointers autograd does not see
 
 from ._kernel_args import device_scalar, host_value
 from .reference import write_window_grads  # noqa: F401  (torch's foreach ops on every backend)
@@ -305,6 +306,7 @@ def accumulate(
                 G_DTYPE=_TL_DTYPES[dtypes[0]], OVERWRITE=bool(overwrite), HAS_SCALE=scale is not None,
                 NORM=norm, ALIGNED=plan.aligned and grads_aligned, META=plan.width, CHUNK=plan.chunk,
                 BLOCK=plan.block)
+    increment_version(buffers)
     if not norm:
         return None
     return _finish_norms(plan, partial, device)
@@ -417,6 +419,7 @@ def sgd_update(
                 HAS_MOMENTUM=has_momentum, NESTEROV=bool(nesterov) and has_momentum, MAXIMIZE=bool(maximize),
                 ALIGNED=aligned, META=plan.width, CHUNK=plan.chunk, BLOCK=plan.block)
     layout.finish()
+    increment_version(params + [b for b in momentum_buffers if b is not None])
 
 
 def adam_update(
@@ -483,3 +486,4 @@ def adam_update(
                 DECOUPLED=bool(decoupled_weight_decay), AMSGRAD=bool(amsgrad), MAXIMIZE=bool(maximize),
                 ALIGNED=aligned, META=plan.width, CHUNK=plan.chunk, BLOCK=plan.block)
     layout.finish()
+    increment_version(params + exp_avgs + exp_avg_sqs + (max_exp_avg_sqs if amsgrad else []))
