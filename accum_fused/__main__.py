@@ -10,6 +10,9 @@ import torch
 from . import backends
 from .version import __version__
 
+# What "info" asks every backend about (complex parameters run as their real views).
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
 
 DEMO_PNG = "accum_fused_demo.png"
 
@@ -84,11 +87,13 @@ def info_lines() -> list[str]:
             lines.append(f"backend {name}: unavailable: {reasons.get(name, 'unknown reason')}")
             continue
         module = backends._load(name)
-        runs_on = [d.type for d in devices if module.supports(d, torch.float32)]
-        extra = ""
-        if name == "cpp":
-            extra = f"; extension built with CUDA: {bool(getattr(module, 'built_with_cuda', False))}"
-        lines.append(f"backend {name}: available; runs fp32 parameters on {runs_on or 'no device here'}{extra}")
+        runs = []
+        for device in devices:
+            dtypes = [str(dtype).removeprefix("torch.") for dtype in _PARAM_DTYPES if module.supports(device, dtype)]
+            if dtypes:
+                runs.append(f"{'/'.join(dtypes)} parameters on {device.type}")
+        extra = f"; extension built with CUDA: {bool(module._C.with_cuda)}" if name == "cpp" else ""
+        lines.append(f"backend {name}: available; runs {', '.join(runs) or 'nothing on the devices here'}{extra}")
     for device in devices:
         picked = backends.resolve(backends.AUTO, device, torch.float32)
         lines.append(f"auto on {device.type}: {picked.name}")

@@ -145,9 +145,9 @@ def run_demo(*, device: str = "cpu", backend: str = "auto", epochs: int = 60, lr
         ),
     }
     results, reference = [], None
-    bar = (tqdm(total=epochs * len(runs), desc="demo", unit="epoch", mininterval=1.0) if tqdm is not None
-           else _NoBar())
     for name, (make_optimizer, epoch) in runs.items():
+        # One bar per run: it counts the epochs that run does (the demo's --epochs each).
+        bar = (tqdm(total=epochs, desc=name, unit="epoch", mininterval=1.0) if tqdm is not None else _NoBar())
         model = copy.deepcopy(target)
         opt = make_optimizer(model)
         result = RunResult(name)
@@ -166,13 +166,13 @@ def run_demo(*, device: str = "cpu", backend: str = "auto", epochs: int = 60, lr
             with torch.no_grad():
                 result.losses.append(_loss(model, x, y).item())
             bar.update()
+        bar.close()
         if device.type == "cuda":
             result.peak_bytes = torch.cuda.max_memory_allocated(device) - base
         flat = torch.cat([p.detach().flatten() for p in model.parameters()])
         reference = flat if reference is None else reference
         result.max_param_diff = (flat - reference).abs().max().item()
         results.append(result)
-    bar.close()
     return results
 
 

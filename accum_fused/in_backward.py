@@ -1,11 +1,14 @@
 """In-backward accumulation (``in_backward=True``): gradients taken inside backward.
 
-Owns: the post-accumulate-grad hooks on the parameters (registered when a group is added,
-removed when the optimizer is collected), the life of one backward pass (begin at the first
-hook, one arrival per parameter, end queued on the autograd engine), mode A (the caller's loop
-owns the window: backward passes are summed, ``step()`` applies) and mode B (one backward = one
-micro-batch, the k-th applies the update inside backward), adopting autograd's fresh gradient
-as the buffer, and the trigger of the overlapped bucketed reduction (``sync.grad_ready``).
+Owns: the post-accumulate-grad hooks on the parameters (registered when a group is added or a
+frozen parameter is found unfrozen, removed by ``close()`` or when the optimizer is collected),
+which live optimizer takes each parameter's gradients (a second one, or a foreign optimizer's
+``step()``, is refused), the life of one backward pass (begin at the first hook, end queued on
+the autograd engine, carried to the outer backward when nested, settled when it failed), mode A
+(the caller's loop owns the window: backward passes are summed, ``step()`` applies) and mode B
+(one backward = one micro-batch, the k-th applies the update inside backward), adopting
+autograd's fresh gradient as the buffer, and the trigger of the overlapped bucketed reduction
+(``sync.grad_ready``).
 
 Must not: change the window's buffers or counters itself: a micro-batch begins, its gradients
 go in and it ends (closing the window on its last) through the window's verbs

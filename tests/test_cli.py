@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -212,3 +214,21 @@ def test_demo_claim_accum_fused_matches_full_batch_tutorial_loop_does_not():
     assert fused.max_param_diff < 1e-4, fused.max_param_diff
     assert tutorial.max_param_diff > 1e-2, tutorial.max_param_diff
     assert abs(fused.losses[-1] - full.losses[-1]) < 1e-4 * full.losses[-1]
+
+
+def test_demo_progress_bars_count_the_epochs_each_run_does(tmp_path):
+    pytest.importorskip("tqdm")
+    proc = run_cli("demo", "--device", "cpu", "--epochs", "3", "--no-plot", cwd=tmp_path)
+    bars = proc.stderr.replace("\r", "\n")
+    for run in DEMO_RUNS:  # one bar per run, out of the 3 epochs it trains (not 3 x the runs)
+        assert any(line.startswith(run) and "3/3" in line for line in bars.splitlines()), proc.stderr
+    assert "/9 " not in bars, proc.stderr
+
+
+def test_bench_outside_the_checkout_writes_into_a_temporary_directory_it_prints(tmp_path):
+    out = run_cli("bench", "--quick", "--no-progress", cwd=tmp_path).stdout
+    written = [Path(line.removeprefix("wrote ")) for line in out.splitlines() if line.startswith("wrote ")]
+    assert [p.suffix for p in written] == [".json", ".png"], out
+    assert all(p.is_file() and tempfile.gettempdir() in str(p) for p in written), written
+    assert not list(tmp_path.iterdir())  # nothing in the current directory
+    shutil.rmtree(written[0].parent)

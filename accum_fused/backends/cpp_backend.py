@@ -11,6 +11,9 @@ see the same values; fp32 1-element tensors for GradScaler's scale and the clip 
 (CUDA kernels read them on the device, without a host synchronisation); and new momentum
 buffers for SGD.
 
+Every tensor a call writes in place gets its autograd version counter bumped (in the binding),
+as torch's in-place ops do.
+
 Differences from the reference, none visible through the optimizers:
 - with a fused last micro-batch (``grads``), the update does not write the accumulation buffer
   back (the window is closing and the next window overwrites it): 4 bytes/param saved;

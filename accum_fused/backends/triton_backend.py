@@ -18,6 +18,9 @@ steady-state step uploads nothing; the gradients' address table is cached the sa
 own small cache (autograd may hand out new gradient tensors every micro-batch, and the caching
 allocator usually hands back the same addresses).
 
+Every tensor a launch writes in place gets its autograd version counter bumped
+(``increment_version``), as torch's in-place ops do.
+
 Differences from the reference, none visible through the optimizers (the same as backend "cpp"):
 - with a fused last micro-batch (``grads``), the update does not write the accumulation buffer
   back (the window is closing and the next window overwrites it): 4 bytes/param saved;

@@ -17,6 +17,7 @@ import math
 import os
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -205,12 +206,14 @@ DEFAULTS = {
 }
 
 def default_output_dir() -> Path:
-    """benchmarks/results of the checkout this package lives in, when run from inside it; else cwd."""
+    """benchmarks/results of the checkout this package lives in, when run from inside it; else a
+    new temporary directory (never the user's current directory: --output-dir names one). The
+    caller prints where the files went."""
     repo = PACKAGE_DIR.parent
     cwd = Path.cwd().resolve()
     if (repo / "benchmarks").is_dir() and (repo / "setup.py").is_file() and (cwd == repo or repo in cwd.parents):
         return repo / "benchmarks" / "results"
-    return cwd
+    return Path(tempfile.mkdtemp(prefix="accum_fused_bench_"))
 
 def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
@@ -237,7 +240,7 @@ def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
                          "and off, 2 repeats (seconds); other options still override it")
     ap.add_argument("--output-dir", type=Path, default=None,
                     help="where bench_<device>_<date>.json and .png go (default: benchmarks/results when run "
-                         "from the source checkout, else the current directory)")
+                         "from the source checkout, else a new temporary directory; the paths are printed)")
     ap.add_argument("--copy-size", default=None,
                     help="fp32 elements of the copy_/add_ bandwidth probes (default 64M on CPU, 256M on CUDA, "
                          "1M with --quick)")
