@@ -220,9 +220,11 @@ def test_double_accumulation_raises(tmp_path, accumulation):
 
 def test_disagreeing_clips_raise_and_agreeing_ones_train(tmp_path):
     model = _model()
-    trainer = _trainer(tmp_path, model, _recipe_optimizer(model, max_grad_norm=0.5), [af_hf.AccumFusedCallback()])
+    refused = _recipe_optimizer(model, max_grad_norm=0.5)
+    trainer = _trainer(tmp_path, model, refused, [af_hf.AccumFusedCallback()])
     with pytest.raises(ValueError, match=r"max_grad_norm=1.0\) and AdamW\(max_grad_norm=0.5\) disagree"):
         trainer.train()
+    refused.close()  # the trainer keeps it alive; its hooks must go before another takes the parameters
     opt = _recipe_optimizer(model, max_grad_norm=CLIP)
     trainer = _trainer(tmp_path, model, opt, [af_hf.AccumFusedCallback()], max_steps=1)
     trainer.train()
