@@ -54,7 +54,7 @@ class BackwardPass:
         self.done: set[Tensor] = set()
         # What a failed pass leaves (mode B): parameters whose buffer it started (taken back out
         # exactly), and whether it added into buffers the window already held (it cannot be).
-        self.started: list[Tensor] = []
+        self.started: set[Tensor] = set()
         self.added_to_live = False
         # Weakly, the callable that ends the pass (queued on the autograd engine). A graph task
         # that raises drops its callbacks unrun: a pass whose ender is gone while the pass is
@@ -330,7 +330,7 @@ def take_grad(opt, p: Tensor) -> None:
         mb.done.add(p)
         return
     if p not in win.live:
-        mb.started.append(p)  # a failed pass takes it back out
+        mb.started.add(p)  # a failed pass takes it back out
         if _can_adopt(win, p, grad, mb.weight):
             win.adopt(p, grad)
         else:
