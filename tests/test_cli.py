@@ -188,6 +188,8 @@ def test_bench_quick_writes_table_json_and_png(tmp_path):
         assert m["numel"] == 100_000 and m["k"] == 4 and m["dtype"] == "fp32"
         assert len(m["times_ms"]) == record["config"]["repeats"] == 2
         assert m["median_ms"] > 0 and m["gbps"] > 0
+        # "% copy" is of copy_ measured on the case's own size (write-allocate counted on CPU)
+        assert m["pct_copy_bandwidth"] == pytest.approx(100 * m["gbps"] / m["copy_gbps_at_size"])
     native = [m for m in measurements if m["contender"] == "native"]
     assert all(m["median_ratio_vs_native"] == 1.0 for m in native) and len(native) == 2
     assert_png(tmp_path / record["plot"])

@@ -26,7 +26,7 @@ import torch
 from .. import backends as af_backends
 from ..version import __version__
 from .measure import (LR, PACKAGE_DIR, WEIGHT_DECAY, AccumFused, Native, Timer, available_memory,
-                      bandwidth_probes, loadavg, make_tensors, native_adamw_impl, pick_backends, resolve_device,
+                      BandwidthProbe, bandwidth_probes, loadavg, make_tensors, native_adamw_impl, pick_backends, resolve_device,
                       summarise, time_contenders, versions)
 from .model import DTYPES, SHAPE_SETS, memory_needed, parse_size, shape_set, size_label
 
@@ -36,7 +36,7 @@ SCHEMA_VERSION = 1
 MEASUREMENT_KEYS = ("contender", "implementation", "shapes", "size", "numel", "tensors", "dtype", "k",
                     "max_grad_norm", "grad_sets", "bytes_per_param", "modelled_bytes", "times_ms",
                     "median_ms", "min_ms", "q1_ms", "q3_ms", "ratios_vs_native", "median_ratio_vs_native",
-                    "gbps", "pct_copy_bandwidth", "pct_add_bandwidth")
+                    "gbps", "pct_copy_bandwidth", "pct_add_bandwidth", "copy_gbps_at_size", "add_gbps_at_size")
 
 RECORD_KEYS = ("benchmark", "schema_version", "date", "command", "device", "versions", "config",
                "copy_bandwidth", "add_bandwidth", "skipped_backends", "skipped_cases", "measurements", "plot")
@@ -398,13 +398,19 @@ def _time_cases(plan, config: dict, backend_names: dict, device: torch.device, t
         impl = impls.setdefault(dtype_name, native_adamw_impl(device, dtype))
         contenders = [Native(init, grads, k, max_grad_norm, impl)]
         contenders += [AccumFused(b, init, grads, k, max_grad_norm) for b in names]
+        # The references of "% copy" / "% add_": at the case's own size (a 1M-parameter window
+        # runs largely in cache: add_ 105 GB/s there, 35-39 at 33.6M-64M on the 2-core VM) and
+        # in the same rounds as the contenders (see BandwidthProbe).
+        probes = [BandwidthProbe(kind, numel, device) for kind in ("copy", "add_")]
         peaks: dict[str, int] = {}
-        times = time_contenders(contenders, timer, config["warmup"], config["repeats"], peaks)
+        times = time_contenders(contenders + probes, timer, config["warmup"], config["repeats"], peaks)
+        copy, add = (probe.gbps(times.pop(probe.name)) for probe in probes)
+        del probes
         case = {"shapes": shapes_name, "size": label, "numel": numel, "tensors": len(shapes), "dtype": dtype_name,
                 "k": k, "max_grad_norm": max_grad_norm, "grad_sets": min(len(grads), k)}
         for r in summarise(contenders, times, k=k, clip=max_grad_norm is not None, esize=dtype.itemsize,
                            numel=numel, copy=copy, add=add, peaks=peaks):
-            measurements.append({**case, **r})
+            measurements.append({**case, **r, "copy_gbps_at_size": copy["gbps"], "add_gbps_at_size": add["gbps"]})
         del contenders
         bar.update()
     bar.close()
@@ -426,7 +432,8 @@ def _print_sweep_table(measurements, skipped_cases, impls: dict, config: dict, c
     print(f"\nms/window: median of {config['repeats']} windows (k micro-batches + one AdamW update; no backward). "
           f"native = p.grad += g, clip_grad_norm_ (when clipping), {impl_text or 'torch.optim.AdamW'}. "
           f"GB/s = modelled bytes / median time (bytes per parameter: python -m pydoc accum_fused.bench). "
-          f"% copy / % add_ = of the measured copy_ {copy['gbps']:.1f} GB/s / in-place add_ {add['gbps']:.1f} GB/s. "
+          f"% copy / % add_ = of copy_ / in-place add_ on the case's own number of fp32 elements, timed in the "
+          f"case's rounds (before the sweep on {config['copy_numel']:,}: {copy['gbps']:.1f} / {add['gbps']:.1f} GB/s). "
           f"vs native = median over rounds of window time / the native loop's (< 1 is faster). "
           f"{elapsed:.0f} s of timing.")
     for case in skipped_cases:

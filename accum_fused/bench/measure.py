@@ -87,15 +87,20 @@ def resolve_device(name: str) -> tuple[torch.device, str]:
     return device, cpu_model()
 
 def bandwidth_probes(device: torch.device, numel: int, timer: Timer, repeats: int = 10) -> dict[str, dict]:
-    """Streaming bandwidths on fp32 tensors of ``numel``, as (bytes read + written) / median time:
-    "copy" dst.copy_(src) (8 B/element), the reference of "% copy"; "add_" a.add_(b)
-    (12 B/element), the in-place read-modify-write that every accumulate pass is. On CPUs a
-    copy's stores to fresh lines also read them (write-allocate) and are not counted, so
-    in-place passes can beat "copy" there: measured on a 2-core EPYC VM, 2 threads,
-    copy_ 33 GB/s and add_ 55 GB/s at 2^26 elements."""
+    """Streaming bandwidths on fp32 tensors of ``numel``, as bytes moved / median time: "copy"
+    dst.copy_(src), the reference of "% copy"; "add_" a.add_(b) (12 B/element), the in-place
+    read-modify-write that every accumulate pass is.
+
+    A copy moves 8 B/element on CUDA, 12 on CPU: a CPU's stores to lines not in cache read them
+    first (write-allocate). Counting 8 there made "% copy" read 150-230% in the 2026-11-21 sweep
+    (copy_ 33 GB/s, add_ 55 GB/s, fused AdamW 60-78 GB/s of modelled bytes at 33.6M parameters
+    on a 2-core EPYC VM): the bytes model of the windows was right, the copy probe's was not.
+    Kernels streaming several tensors at once (AdamW: four read, three written) can still draw
+    somewhat more than a two-tensor probe, so a few percent above 100 remain possible."""
     a = torch.empty(numel, dtype=torch.float32, device=device).uniform_()
     b = torch.empty_like(a).uniform_()
-    probes = {"copy": (lambda: b.copy_(a), 8), "add_": (lambda: a.add_(b, alpha=1e-9), 12)}
+    copy_bytes = 8 if device.type == "cuda" else 12
+    probes = {"copy": (lambda: b.copy_(a), copy_bytes), "add_": (lambda: a.add_(b, alpha=1e-9), 12)}
     out = {}
     for name, (fn, bytes_per_element) in probes.items():
         for _ in range(3):
@@ -206,6 +211,33 @@ class AccumFused:
         assert self.opt.micro_step == 0 and self.opt.update_count == windows, (
             f"{self.name}: expected {windows} closed windows, got update_count={self.opt.update_count}, "
             f"micro_step={self.opt.micro_step}")
+
+class BandwidthProbe:
+    """dst.copy_(src) or a.add_(b) over fp32 tensors of a case's size, timed in the same rounds
+    as the case's contenders: the reference of its "% copy" / "% add_". Timed once before the
+    case instead, a probe read 25.7 GB/s where the case's kernels then drew 33 (16M parameters,
+    2-core VM: the bandwidth a VM gets drifts between moments). Bytes as ``bandwidth_probes``."""
+
+    def __init__(self, kind: str, numel: int, device: torch.device):
+        self.name, self.label = f"{kind}_probe", f"{kind} over {numel:,} fp32"
+        a = torch.empty(numel, dtype=torch.float32, device=device).uniform_()
+        b = torch.empty_like(a).uniform_()
+        if kind == "copy":
+            self.bytes = (8 if device.type == "cuda" else 12) * numel
+            self.window = lambda: b.copy_(a)
+        else:
+            self.bytes = 12 * numel
+            self.window = lambda: a.add_(b, alpha=1e-9)
+
+    def gbps(self, times_ms: list[float]) -> dict:
+        return {"bytes": self.bytes, "gbps": self.bytes / (statistics.median(times_ms) * 1e-3) / 1e9,
+                "times_ms": times_ms}
+
+    def resident_bytes(self) -> int:
+        return 0
+
+    def check(self, windows: int) -> None:
+        pass
 
 def pick_backends(requested: list[str] | None, device: torch.device, dtype: torch.dtype) -> tuple[list[str], dict]:
     """accum_fused backends to time, and why the others were left out."""

@@ -90,5 +90,5 @@ def bytes_per_param(contender: str, k: int, clip: bool, param_bytes: int) -> dic
 
 def memory_needed(numel: int, esize: int, n_af: int, grad_sets: int) -> int:
     """Bytes a case holds: init copy; native p, m, v, scratch; per accum_fused backend p, acc,
-    m, v (fp32 buffer and state); the gradient sets."""
-    return numel * (esize + esize * 4 + n_af * (esize + 4 + 8) + grad_sets * esize)
+    m, v (fp32 buffer and state); the gradient sets; the two fp32 tensors of the bandwidth probes."""
+    return numel * (esize + esize * 4 + n_af * (esize + 4 + 8) + grad_sets * esize + 8)
