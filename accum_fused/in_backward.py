@@ -45,11 +45,10 @@ _checked = WeakIdKeyDictionary()  # foreign optimizer -> (_claims, its parameter
 class BackwardPass:
     """The micro-batch a running backward pass is adding."""
 
-    def __init__(self, weight: float, weight_sum: float, closing: bool, fold: bool, own: bool):
+    def __init__(self, weight: float, weight_sum: float, closing: bool, fold: bool):
         self.weight, self.weight_sum = weight, weight_sum  # in the window's units, sum including this one
         self.closing = closing  # the window's last micro-batch
         self.fold = fold  # update each parameter inside its hook
-        self.own = own  # run by opt.backward()
         self.seen: set[Tensor] = set()
         self.done: set[Tensor] = set()
         # What a failed pass leaves (mode B): parameters whose buffer it started (taken back out
@@ -269,8 +268,8 @@ def settle_failed_pass(opt) -> None:
     held cannot be: taking it out needs its gradients, and keeping them until the pass ends made
     mode B 2.7x slower on CPU (autograd then gets fresh, page-faulting storage for every
     gradient: 470 vs 171 ms per window, 33.6M parameters, k=8). Nor can a window's last
-    micro-batch whose update had begun inside backward. Both discard the window, with a RuntimeWarning saying what was lost; the next
-    micro-batch starts a new window."""
+    micro-batch whose update had begun inside backward. Both discard the window, with a
+    RuntimeWarning saying what was lost; the next micro-batch starts a new window."""
     win = opt._window
     mb, win.backward_pass = win.backward_pass, None
     if opt.accumulation_steps == 1 or not mb.seen:
@@ -362,7 +361,7 @@ def begin_pass(opt) -> BackwardPass:
     fold = closing and opt.max_grad_norm is None and not win.spans_ranks
     # With FSDP2, opt.backward scaled the loss by the weight: the gradients carry it.
     grad_weight = 1.0 if win.shards is not None else weight
-    win.backward_pass = BackwardPass(grad_weight, weight_sum, closing, fold, win.own_backward)
+    win.backward_pass = BackwardPass(grad_weight, weight_sum, closing, fold)
     return win.backward_pass
 
 

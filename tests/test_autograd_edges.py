@@ -193,7 +193,8 @@ def test_mode_b_checkpointed_last_block_is_one_micro_batch(backend, reentrant, d
         loss_of(models[1], batch).backward()
         opt_p.step()
         opt_p.zero_grad()
-        assert (opt_b.micro_step, opt_b.update_count) == (opt_p.micro_step, opt_p.update_count) == ((i + 1) % k, (i + 1) // k)
+        expected = ((i + 1) % k, (i + 1) // k)
+        assert (opt_b.micro_step, opt_b.update_count) == (opt_p.micro_step, opt_p.update_count) == expected
         assert all(p.grad is None for p in models[0].parameters())
     assert_params_changed(models[0], _Blocks(None))
     _close(models[0], models[1], backend, rtol=1e-6, atol=1e-7)
