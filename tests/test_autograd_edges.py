@@ -227,6 +227,25 @@ def test_mode_b_parameter_unfrozen_after_construction_trains(backend, driver):
     _close(models[0], models[1], backend)
 
 
+def test_mode_a_parameter_unfrozen_after_construction_trains_as_with_torch_optim(backend):
+    batches = make_batches(SIZES)
+    model, ref = make_model(), make_model()
+    for m in (model, ref):
+        m[0].weight.requires_grad_(False)
+    opt = accum_fused.Adam(model.parameters(), lr=0.01, in_backward=True, backend=backend)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for i, batch in enumerate(batches):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            if i == 3:
+                m[0].weight.requires_grad_(True)
+            (loss_of(m, batch) / 2).backward()
+            if i % 2 == 1:
+                o.step()
+                o.zero_grad()
+    assert model[0].weight.grad is None and not torch.equal(model[0].weight, make_model()[0].weight)
+    _close(model, ref, backend)
+
+
 # ---------------------------------------------------------------- 5. failed backward passes
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_mode_a_failed_backward_then_zero_grad_behaves_as_torch_optim(backend, name):
@@ -323,6 +342,29 @@ def _gan_step(d_step, g_opt, D, G, real, z):
     g_loss.backward()
     g_opt.step()
     g_opt.zero_grad()
+
+
+def test_mode_a_gan_generator_backward_through_d_is_discarded_by_zero_grad_as_with_torch_optim(backend):
+    torch.manual_seed(3)
+    data = [(torch.randn(4, 3), torch.randn(4, 2)) for _ in range(6)]
+    runs = []
+    for make in (lambda D: accum_fused.Adam(D.parameters(), lr=0.01, in_backward=True, backend=backend),
+                 lambda D: torch.optim.Adam(D.parameters(), lr=0.01)):
+        torch.manual_seed(0)
+        D, G = nn.Linear(3, 1), nn.Linear(2, 3)
+        d_opt, g_opt = make(D), torch.optim.SGD(G.parameters(), lr=0.1)
+
+        def d_step(loss):
+            loss.backward()
+            d_opt.step()
+            d_opt.zero_grad()
+
+        for real, z in data:
+            _gan_step(d_step, g_opt, D, G, real, z)
+            d_opt.zero_grad()
+        runs.append((D, G))
+    for a, b in zip(*runs):
+        _close(a, b, backend)
 
 
 def test_mode_b_gan_generator_backward_through_d_is_not_a_d_micro_batch(backend):
