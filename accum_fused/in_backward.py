@@ -45,12 +45,15 @@ _checked = WeakIdKeyDictionary()  # foreign optimizer -> (_claims, its parameter
 class BackwardPass:
     """The micro-batch a running backward pass is adding."""
 
-    def __init__(self, weight: float, weight_sum: float, closing: bool, fold: bool):
+    def __init__(self, weight: float, weight_sum: float, closing: bool, fold: bool, measure_norms: bool):
         self.weight, self.weight_sum = weight, weight_sum  # in the window's units, sum including this one
         self.closing = closing  # the window's last micro-batch
         self.fold = fold  # update each parameter inside its hook
         self.seen: set[Tensor] = set()
         self.done: set[Tensor] = set()
+        # The last micro-batch of a clipped window on one rank: each accumulate pass also returns
+        # its parameter's window-gradient norm (no separate norm pass over the window).
+        self.norms: dict[Tensor, Tensor] | None = {} if measure_norms else None
         # What a failed pass leaves (mode B): parameters whose buffer it started (taken back out
         # exactly), and whether it added into buffers the window already held (it cannot be).
         self.started: set[Tensor] = set()
@@ -332,11 +335,15 @@ def take_grad(opt, p: Tensor) -> None:
         mb.started.add(p)  # a failed pass takes it back out
         if _can_adopt(win, p, grad, mb.weight):
             win.adopt(p, grad)
-        else:
-            win.accumulate_one(p, grad, mb.weight, opt._backend_for(p))
+            return
     else:
         mb.added_to_live |= p not in mb.started
-        win.accumulate_one(p, grad, mb.weight, opt._backend_for(p))
+    wants_norm = mb.norms is not None and not again  # (a second gradient: measured again at closing)
+    norm = win.accumulate_one(p, grad, mb.weight, opt._backend_for(p), mb.weight_sum if wants_norm else None)
+    if wants_norm:
+        mb.norms[p] = norm
+    elif mb.norms is not None:
+        mb.norms.pop(p, None)
     if mb.closing and win.sync is not None and not again:
         win.sync.grad_ready(p)  # may launch its bucket's all-reduce while backward goes on
 
@@ -361,7 +368,10 @@ def begin_pass(opt) -> BackwardPass:
     fold = closing and opt.max_grad_norm is None and not win.spans_ranks
     # With FSDP2, opt.backward scaled the loss by the weight: the gradients carry it.
     grad_weight = 1.0 if win.shards is not None else weight
-    win.backward_pass = BackwardPass(grad_weight, weight_sum, closing, fold)
+    # Clipping on one rank: the norms come from the hooks' accumulate passes (across ranks they
+    # are measured on the reduced sums instead).
+    measure_norms = closing and opt.max_grad_norm is not None and not win.spans_ranks
+    win.backward_pass = BackwardPass(grad_weight, weight_sum, closing, fold, measure_norms)
     return win.backward_pass
 
 
@@ -375,7 +385,7 @@ def end_pass(opt) -> None:
         _hook_unfrozen(opt)
     mb, win.backward_pass = win.backward_pass, None
     if mb is not None:
-        win.finish_micro_batch(opt, mb.weight, mb.weight_sum, mb.closing, mb.done if mb.fold else None)
+        win.finish_micro_batch(opt, mb.weight, mb.weight_sum, mb.closing, mb.done if mb.fold else None, mb.norms)
         if mb.closing:
             opt._run_step_hooks(post=True)
 

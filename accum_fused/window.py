@@ -180,10 +180,11 @@ class Window:
         return weight, self.weight_sum + weight
 
     def finish_micro_batch(self, opt, weight: float, weight_sum: float, closing: bool,
-                           updated_in_hooks: set | None = None) -> None:
+                           updated_in_hooks: set | None = None, norms: dict | None = None) -> None:
         """in_backward: the micro-batch begun by begin_micro_batch has all its gradients in.
         Counts it; on the window's last micro-batch, closes the window (``updated_in_hooks``:
-        the parameters its hooks already updated, when it was folded into the update)."""
+        the parameters its hooks already updated, when it was folded into the update; ``norms``:
+        the window-gradient norms its hooks' accumulate passes produced, for clipping)."""
         self.micro_step += 1
         self.weight_sum = weight_sum
         if self.shards is not None and opt.accumulation_steps > 1:
@@ -193,7 +194,7 @@ class Window:
         elif updated_in_hooks is not None:
             self.close_folded(opt, updated_in_hooks, weight, weight_sum)
         else:
-            self.close(opt, (), weight, None)
+            self.close(opt, (), weight, None, norms)
 
     def hold_grads(self) -> None:
         """A micro-batch arrived without gradients: with FSDP2 they were held back
@@ -223,11 +224,14 @@ class Window:
         self.live.update(p for p, _ in pairs)
         return norms
 
-    def accumulate_one(self, p: Tensor, grad: Tensor, weight: float, backend) -> None:
-        """One parameter's gradient in (an in-backward hook): the hot path, one backend call."""
-        backend.accumulate(grads=[kernel_view(grad)], buffers=[kernel_view(self.buffer(p))], weight=weight,
-                           overwrite=p not in self.live)
+    def accumulate_one(self, p: Tensor, grad: Tensor, weight: float, backend,
+                       norm_weight_sum: float | None = None) -> Tensor | None:
+        """One parameter's gradient in (an in-backward hook): the hot path, one backend call.
+        With ``norm_weight_sum``, returns ||acc / norm_weight_sum||, from the same pass."""
+        norms = backend.accumulate(grads=[kernel_view(grad)], buffers=[kernel_view(self.buffer(p))], weight=weight,
+                                   overwrite=p not in self.live, norm_weight_sum=norm_weight_sum)
         self.live.add(p)
+        return None if norms is None else norms[0]
 
     def join_ranks(self, sync) -> None:
         """The window's buffers move into ``sync``'s flat storage (a DDP module's group, taken

@@ -166,6 +166,22 @@ def test_mode_b_with_clipping_and_parameters_missing_from_the_last_micro_batch(b
     _close(model, plain, backend)
 
 
+def test_mode_b_clipping_takes_the_norm_from_the_last_accumulate_pass(backend, monkeypatch):
+    """No separate norm pass over the window: the last micro-batch's accumulate calls return the
+    norms (issue 22's fused clip norm), and the clip equals the plain mode's bit for bit."""
+    module = accum_fused.backends.resolve(backend, torch.device("cpu"), torch.float32)
+    calls = []
+    original = module.window_norms
+    monkeypatch.setattr(module, "window_norms", lambda **kw: calls.append(1) or original(**kw))
+    (model, plain), (opt_b, opt_p) = _run_mode_b_and_plain(backend, "AdamW", CONFIGS["AdamW"][0], SIZES[:8], 4,
+                                                         clip=0.05)
+    assert opt_b.update_count == 2
+    if backend != "torch":  # (the reference's accumulate computes its norms by calling window_norms)
+        assert calls == []
+    torch.testing.assert_close(opt_b.last_grad_norm, opt_p.last_grad_norm, rtol=0, atol=0)
+    _close(model, plain, backend)
+
+
 def test_mode_b_head_missing_from_the_last_micro_batch_without_clipping(backend):
     (model, plain), _ = _run_mode_b_and_plain(backend, "AdamW", CONFIGS["AdamW"][1], SIZES, 3, drop_head_in={2, 8})
     _close(model, plain, backend)
