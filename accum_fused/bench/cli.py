@@ -25,8 +25,8 @@ import torch
 
 from .. import backends as af_backends
 from ..version import __version__
-from .measure import (LR, PACKAGE_DIR, WEIGHT_DECAY, AccumFused, Native, Timer, available_memory,
-                      BandwidthProbe, bandwidth_probes, loadavg, make_tensors, native_adamw_impl, pick_backends, resolve_device,
+from .measure import (LR, PACKAGE_DIR, WEIGHT_DECAY, AccumFused, BandwidthProbe, Native, Timer, available_memory,
+                      bandwidth_probes, loadavg, make_tensors, native_adamw_impl, pick_backends, resolve_device,
                       summarise, time_contenders, versions)
 from .model import DTYPES, SHAPE_SETS, memory_needed, parse_size, shape_set, size_label
 
