@@ -67,6 +67,8 @@ def restore_defaults(attrs: dict[str, Any]) -> None:
     attrs.setdefault("_hook_handles", [])
     attrs.setdefault("_releases", [])  # a copy owns no hooks or DDP module
     attrs.setdefault("_closed", False)
+    attrs.setdefault("_backends", {})  # a cache, rebuilt on use
+    attrs.setdefault("_fast_path", None)
 
 
 # ------------------------------------------------------------------------------ saving

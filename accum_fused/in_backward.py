@@ -103,14 +103,85 @@ def _queue_end(opt) -> weakref.ref:
 def _make_grad_hook(optimizer_ref: weakref.ref) -> Callable[[Tensor], None]:
     def hook(param: Tensor) -> None:
         optimizer = optimizer_ref()
-        if optimizer is not None:
+        if optimizer is None:
+            return
+        if torch.is_grad_enabled():  # backward(create_graph=True): the window's writes join no graph
+            with torch.no_grad():
+                take_grad(optimizer, param)
+        else:  # (autograd runs hooks with grad mode off; a no_grad context costs ~1-5 us per call)
             take_grad(optimizer, param)
     return hook
+
+
+class FastPath:
+    """The extension's hooks (csrc/hooks.cpp): once a backward pass has begun here, they add
+    the gradients of the parameters this module armed them for (live buffers on the cpp
+    backend, in a pass that updates nothing inside its hooks) without running Python, and hand
+    everything else to the Python hook, this module's ``take_grad``, which remains the spec.
+    What they took is read back (``take_records``) before the pass's records are used."""
+
+    def __init__(self, extension) -> None:
+        self.state = extension.HookState()
+        self._hook_class = extension.FastHook
+        self.params: list[Tensor] = []  # by slot
+        self.slot_of: dict[Tensor, int] = {}
+
+    @staticmethod
+    def for_optimizer(opt) -> FastPath | None:
+        if opt.backend not in ("auto", "cpp"):
+            return None
+        from . import backends
+        cpp = backends._load("cpp")
+        return None if cpp is None else FastPath(cpp._C)
+
+    def hook(self, p: Tensor, python_hook: Callable[[Tensor], None]):
+        slot = self.slot_of.get(p)
+        if slot is None:
+            slot = self.slot_of[p] = len(self.params)
+            self.params.append(p)
+            self.state.add_slot()
+        return self._hook_class(self.state, slot, python_hook)
+
+    def arm(self, opt, mb: BackwardPass, first: Tensor) -> None:
+        """At the first gradient of a pass (``first``, which Python takes): let the extension
+        take the pass's gradients of the window's other live parameters."""
+        win = opt._window
+        if mb.fold or (mb.closing and win.sync is not None):
+            return  # per-parameter updates or bucket hand-offs: Python's
+        from .backends import cpp_backend
+        slots, buffers = [], []
+        for p in win.live:
+            slot = self.slot_of.get(p)
+            if slot is not None and p is not first and _is_plain(p) and opt._backend_for(p) is cpp_backend:
+                slots.append(slot)
+                buffers.append(win.buffers[p])
+        if slots:
+            self.state.arm(slots, buffers, mb.weight, mb.weight_sum if mb.norms is not None else None)
+
+    def take_records(self, mb: BackwardPass, end: bool = False) -> None:
+        """Record in ``mb`` what the extension took since the last call; ``end``: the pass is
+        over (ended or failed), disarm."""
+        if not self.state.armed:
+            return
+        slots, norms = self.state.drain()
+        if end:
+            self.state.disarm()
+        if slots:
+            params = [self.params[slot] for slot in slots]
+            mb.seen.update(params)
+            mb.added_to_live = True  # (armed parameters were live before the pass)
+            if norms:
+                mb.norms.update(zip(params, norms))
+
+
+def _is_plain(p: Tensor) -> bool:
+    return kernel_view(p) is p  # not a DTensor, not complex
 
 
 def install(opt) -> None:
     """Hooks on every parameter of ``opt`` (construction); ``add_param_group`` adds more."""
     opt._unhooked = []
+    opt._fast_path = FastPath.for_optimizer(opt)
     register_hooks(opt, opt._all_params())
     # Hooks hold the optimizer weakly; when it is collected they go with it (close() earlier).
     opt._releases.append(weakref.finalize(opt, remove_hooks, opt._hook_handles))
@@ -122,9 +193,10 @@ def register_hooks(opt, params) -> None:
     params = list(params)
     claim(opt, params)
     hook = _make_grad_hook(weakref.ref(opt))
+    fast = opt._fast_path
     for p in params:
         if p.requires_grad:
-            opt._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
+            opt._hook_handles.append(p.register_post_accumulate_grad_hook(hook if fast is None else fast.hook(p, hook)))
         else:
             opt._unhooked.append(p)
     opt._group_of = {p: group for group in opt.param_groups for p in group["params"]}
@@ -183,6 +255,8 @@ def _refuse_foreign_step(optimizer, args, kwargs) -> None:
 def close(opt) -> None:
     """opt.close(): hooks off, parameters free for another optimizer."""
     remove_hooks(opt._hook_handles)
+    if opt._fast_path is not None:
+        opt._fast_path.state.disarm()
     release_claims(opt)
     opt._unhooked = []
 
@@ -275,6 +349,8 @@ def settle_failed_pass(opt) -> None:
     RuntimeWarning saying what was lost; the next micro-batch starts a new window."""
     win = opt._window
     mb, win.backward_pass = win.backward_pass, None
+    if opt._fast_path is not None:
+        opt._fast_path.take_records(mb, end=True)
     if opt.accumulation_steps == 1 or not mb.seen:
         return
     if mb.done or mb.added_to_live:
@@ -294,11 +370,10 @@ def settle_failed_pass(opt) -> None:
             del win.buffers[p]
 
 
-@torch.no_grad()
 def take_grad(opt, p: Tensor) -> None:
     """The post-accumulate-grad hook's work for ``p``: its fresh gradient into the window (or,
     on the window's last micro-batch without clipping or ranks, straight into its update);
-    ``.grad`` is freed."""
+    ``.grad`` is freed. Runs with grad mode off."""
     grad = p.grad
     if grad is None:
         return
@@ -315,6 +390,10 @@ def take_grad(opt, p: Tensor) -> None:
             return  # not a micro-batch of this optimizer (a GAN's other loss): .grad stays, as torch leaves it
         mb = begin_pass(opt)
         mb.ender = _queue_end(opt)
+        if opt._fast_path is not None:
+            opt._fast_path.arm(opt, mb, p)
+    elif opt._fast_path is not None:
+        opt._fast_path.take_records(mb)
     again = p in mb.seen
     if again and (p in mb.done or (mb.closing and win.sync is not None)):
         # (a parameter used both inside and outside a reentrant checkpoint gets two)
@@ -382,6 +461,8 @@ def end_pass(opt) -> None:
     last, closes, and torch's step post-hooks run."""
     win = opt._window
     if win.backward_pass is not None:
+        if opt._fast_path is not None:
+            opt._fast_path.take_records(win.backward_pass, end=True)
         _hook_unfrozen(opt)
     mb, win.backward_pass = win.backward_pass, None
     if mb is not None:

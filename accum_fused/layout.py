@@ -18,9 +18,16 @@ from torch import Tensor
 ELEMENTWISE_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
+_COMMON_STATE_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.float32, torch.float16: torch.float32,
+                        torch.float64: torch.float64}
+
+
 def state_dtype(param: Tensor) -> torch.dtype:
     """Buffers and optimizer state: fp64 for fp64 parameters, fp32 for every other real dtype;
     complex64 / complex128 for complex parameters (torch.optim's state layout for them)."""
+    common = _COMMON_STATE_DTYPES.get(param.dtype)  # (asked per parameter per step)
+    if common is not None:
+        return common
     if param.is_complex():
         return torch.complex128 if param.dtype == torch.complex128 else torch.complex64
     return torch.float64 if param.dtype == torch.float64 else torch.float32
@@ -53,11 +60,16 @@ def is_dtensor(t: Tensor) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+
+
 def kernel_view(t: Tensor) -> Tensor:
     """What a backend sees of a parameter, gradient, buffer or state tensor: a DTensor's local
     shard (FSDP2: every operation of the window is elementwise, so each rank updates its own
     shard), complex tensors as real ones with a trailing dimension of 2, as torch.optim's own
     implementations do (torch.view_as_real). Views: writes reach the original."""
+    if type(t) in _PLAIN_TYPES and not t.is_complex():
+        return t  # the common case, asked per parameter per micro-batch by the in-backward hooks
     if is_dtensor(t):
         t = t.to_local()
     return torch.view_as_real(t) if t.is_complex() else t

@@ -147,9 +147,10 @@ class Adam(AccumulatingOptimizer, torch.optim.Adam):
 
     def _update(self, backend, group, params, buffers, **window) -> None:
         amsgrad = group["amsgrad"]
-        for p in params:
-            self._init_param_state(p, group)["step"] += 1
-        states = [self.state[p] for p in params]
+        states = [self._init_param_state(p, group) for p in params]
+        # One call for every step count (CPU tensors): 0.4 us per parameter, where ``step += 1``
+        # costs 2.5 and a Python-number foreach 1.5 (torch's Adam adds a tensor for the same reason).
+        torch._foreach_add_([s["step"] for s in states], torch.ones(()), alpha=1.0)
         beta1, beta2 = group["betas"]
         backend.adam_update(
             params=[kernel_view(p) for p in params], buffers=buffers,
@@ -271,13 +272,13 @@ class GradientAccumulator(AccumulatingOptimizer, torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         checkpoint.refuse_copy(self)
         # The watch for a DDP module (ddp.py) and the releases of what it owns belong to this
-        # object: a copy does not watch and owns nothing.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_ddp_watch", "_releases")}
+        # object: a copy does not watch and owns nothing. (The backend cache holds modules.)
+        own = ("_ddp_watch", "_releases", "_backends")
+        return {k: v for k, v in self.__dict__.items() if k not in own}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.__dict__.setdefault("_releases", [])
-        self.__dict__.setdefault("_closed", False)
+        checkpoint.restore_defaults(self.__dict__)
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state_dict plus the ``"accumulation"`` entry (open window)."""

@@ -120,7 +120,9 @@ class Window:
         window's last micro-batch, close the window. Validates before anything changes."""
         in_loss = self.backward_done and self.shards is not None
         closing = self.micro_step + 1 >= opt.accumulation_steps
-        self.conform(opt, [p for p, _ in pairs] + list(self.live), closing)
+        # The buffers this call writes, and at closing every buffer the update reads.
+        params = [p for p, _ in pairs]
+        self.conform(opt, params + list(self.live.difference(params)) if closing else params, closing)
         if found_inf is not None:
             # Sum on the device: no host synchronisation per micro-batch.
             found = found_inf.detach().float()

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cpu/driver.h"
+#include "ops.h"
 
 #ifdef WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -326,6 +327,14 @@ void adam_update(const TensorList& params, const TensorList& buffers, const Tens
 }
 
 }  // namespace
+
+std::optional<Tensor> accumulate_op(const TensorList& grads, const TensorList& buffers, double weight, bool overwrite,
+                                    const std::optional<Tensor>& grad_scale, std::optional<double> norm_weight_sum) {
+  return accumulate(grads, buffers, weight, overwrite, grad_scale, norm_weight_sum);
+}
+
+bool same_memory_layout(const Tensor& t, const Tensor& buffer) { return same_layout(t, buffer); }
+
 }  // namespace accum_fused
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -354,4 +363,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("one_minus_beta2"), py::arg("bc2_sqrt"), py::arg("eps"), py::arg("neg_step_size"),
         py::arg("decoupled"), py::arg("amsgrad"), py::arg("maximize"), py::arg("grads"), py::arg("weight"),
         py::arg("overwrite"), py::arg("grad_scale"), py::call_guard<py::gil_scoped_release>());
+  register_hooks(m);
 }

@@ -88,11 +88,12 @@ def accumulate(
 ) -> Tensor | None:
     if not buffers:
         return None if norm_weight_sum is None else torch.zeros(0)
-    return _C.accumulate(
-        grads=_Layout(buffers).read(grads), buffers=buffers, weight=float(weight), overwrite=bool(overwrite),
-        grad_scale=device_scalar(grad_scale, buffers[0].device),
-        norm_weight_sum=None if norm_weight_sum is None else float(norm_weight_sum),
-    )
+    if _C.layout_mismatches(tensors=grads, buffers=buffers):
+        grads = _Layout(buffers).read(grads)
+    # Positional: called once per parameter per micro-batch by the in-backward hooks, where
+    # keyword parsing costs ~0.4 us of the call's ~1.1.
+    return _C.accumulate(grads, buffers, float(weight), bool(overwrite), device_scalar(grad_scale, buffers[0].device),
+                         None if norm_weight_sum is None else float(norm_weight_sum))
 
 
 def window_norms(*, buffers: list[Tensor], weight_sum: float) -> Tensor:
