@@ -417,6 +417,8 @@ def take_grad(opt, p: Tensor) -> None:
             return
     else:
         mb.added_to_live |= p not in mb.started
+        if not mb.closing:  # (a closing pass conformed every live buffer as it began)
+            win.conform(opt, [p], closing=False)
     wants_norm = mb.norms is not None and not again  # (a second gradient: measured again at closing)
     norm = win.accumulate_one(p, grad, mb.weight, opt._backend_for(p), mb.weight_sum if wants_norm else None)
     if wants_norm:

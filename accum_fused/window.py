@@ -168,8 +168,12 @@ class Window:
         of 1) and, on the window's last micro-batch with a process group, exchanges the window's
         metadata now, so that the hooks can all-reduce buckets during this backward
         (distributed.py; the ranks' common weight band becomes the window's). Returns (weight,
-        weight total including it), in the window's units."""
-        self.conform(opt, list(self.live), closing)
+        weight total including it), in the window's units. Live buffers are conformed here on the
+        window's last micro-batch (the update reads them all); on the others, as each gradient
+        arrives (the extension's hooks take only gradients that fit their buffer and hand the
+        others to in_backward.py, which conforms first)."""
+        if closing:
+            self.conform(opt, list(self.live), closing)
         if opt.accumulation_steps == 1:
             self.weight_shift = 0
         else:

@@ -83,7 +83,7 @@ struct HookState {
   bool take(int64_t slot, const Tensor& param) {
     if (armed_task < 0 || slot >= static_cast<int64_t>(buffers.size())) return false;
     const Tensor& buffer = buffers[slot];
-    if (!buffer.defined() || seen_task[slot] == armed_task) return false;
+    if (!buffer.defined() || buffer.scalar_type() != at::kFloat || seen_task[slot] == armed_task) return false;
     if (torch::autograd::get_current_graph_task_id() != armed_task) return false;
     Tensor& grad_slot = param.mutable_grad();
     if (!grad_slot.defined()) return false;
