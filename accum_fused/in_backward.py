@@ -113,12 +113,18 @@ def _make_grad_hook(optimizer_ref: weakref.ref) -> Callable[[Tensor], None]:
     return hook
 
 
+# What the extension's hooks (csrc/hooks.cpp) do with a parameter's gradient in a pass.
+_ADD, _OVERWRITE, _ADOPT, _FOLD = 1, 2, 3, 4
+
+
 class FastPath:
-    """The extension's hooks (csrc/hooks.cpp): once a backward pass has begun here, they add
-    the gradients of the parameters this module armed them for (live buffers on the cpp
-    backend, in a pass that updates nothing inside its hooks) without running Python, and hand
-    everything else to the Python hook, this module's ``take_grad``, which remains the spec.
-    What they took is read back (``take_records``) before the pass's records are used."""
+    """The extension's hooks (csrc/hooks.cpp). At a backward pass's first gradient (which
+    ``take_grad`` takes itself) ``arm`` tells them what each other parameter's gradient is to do
+    in this pass, exactly as ``take_grad`` would: add into its live buffer, overwrite its stale
+    one or become it (the window's first micro-batch), or fold into its update (the last
+    micro-batch, no clipping, no ranks), on the cpp backend; they do it without running Python
+    and hand everything else to ``take_grad``, which stays the spec. What they did is read back
+    (``take_records``) before the pass's records are read or changed."""
 
     def __init__(self, extension) -> None:
         self.state = extension.HookState()
@@ -143,35 +149,111 @@ class FastPath:
         return self._hook_class(self.state, slot, python_hook)
 
     def arm(self, opt, mb: BackwardPass, first: Tensor) -> None:
-        """At the first gradient of a pass (``first``, which Python takes): let the extension
-        take the pass's gradients of the window's other live parameters."""
         win = opt._window
-        if mb.fold or (mb.closing and win.sync is not None):
-            return  # per-parameter updates or bucket hand-offs: Python's
+        if mb.closing and win.sync is not None:
+            return  # buckets handed to the other ranks as gradients arrive: Python's
         from .backends import cpp_backend
-        slots, buffers = [], []
-        for p in win.live:
-            slot = self.slot_of.get(p)
-            if slot is not None and p is not first and _is_plain(p) and opt._backend_for(p) is cpp_backend:
+        fold = _FoldArgs() if mb.fold else None
+        may_adopt = mb.weight == 1.0 and win.sync is None  # (as _can_adopt)
+        slots, modes, buffers = [], [], []
+        for slot, p in enumerate(self.params):
+            if p is first or not _is_plain(p) or opt._backend_for(p) is not cpp_backend:
+                continue
+            live = p in win.live
+            buf = win.buffers.get(p)
+            if fold is not None:
+                mode = _FOLD if buf is not None and fold.add(opt, p, overwrite=not live) else None
+            elif live:
+                mode = _ADD
+            elif may_adopt and p.dtype == torch.float32 and p.is_contiguous():
+                mode = _ADOPT
+            else:
+                mode = None if buf is None else _OVERWRITE  # (no buffer yet: Python allocates it)
+            if mode is not None:
                 slots.append(slot)
-                buffers.append(win.buffers[p])
-        if slots:
-            self.state.arm(slots, buffers, mb.weight, mb.weight_sum if mb.norms is not None else None)
+                modes.append(mode)
+                buffers.append(buf)
+        if not slots:
+            return
+        fold = fold or _FoldArgs()
+        self.state.arm(mb.weight, mb.weight_sum if mb.norms is not None else None, mb.weight_sum, slots, modes,
+                       buffers, fold.specs, fold.spec_of, fold.overwrite, *fold.states)
 
-    def take_records(self, mb: BackwardPass, end: bool = False) -> None:
-        """Record in ``mb`` what the extension took since the last call; ``end``: the pass is
-        over (ended or failed), disarm."""
+    def take_records(self, opt, mb: BackwardPass, end: bool = False) -> None:
+        """Record in the window and in ``mb`` what the extension did since the last call;
+        ``end``: the pass is over (ended or failed), disarm."""
         if not self.state.armed:
             return
-        slots, norms = self.state.drain()
+        slots, modes, norms, adopted = self.state.drain()
         if end:
             self.state.disarm()
-        if slots:
-            params = [self.params[slot] for slot in slots]
-            mb.seen.update(params)
-            mb.added_to_live = True  # (armed parameters were live before the pass)
-            if norms:
-                mb.norms.update(zip(params, norms))
+        win = opt._window
+        for slot, mode, norm, grad in zip(slots, modes, norms, adopted):
+            p = self.params[slot]
+            mb.seen.add(p)
+            if mode == _ADD:
+                mb.added_to_live = True
+            elif mode == _FOLD:
+                mb.done.add(p)
+            else:
+                mb.started.add(p)
+                if mode == _ADOPT:
+                    win.adopt(p, grad)
+                else:
+                    win.live.add(p)
+            if norm is not None:
+                mb.norms[p] = norm
+
+
+class _FoldArgs:
+    """For a pass that updates each parameter in its hook: per parameter, which group update
+    (the scalars cpp_backend computes from what ``opt._update`` hands the same op) and which
+    state."""
+
+    def __init__(self) -> None:
+        self.specs: list[dict] = []
+        self.index: dict[tuple, int] = {}
+        self.spec_of: list[int] = []
+        self.overwrite: list[bool] = []
+        self.states: tuple[list, ...] = ([], [], [], [])  # exp_avg or momentum_buffer, exp_avg_sq, max, step
+        self.hyperparameters: dict[int, dict] = {}  # by id(group)
+
+    def add(self, opt, p: Tensor, overwrite: bool) -> bool:
+        """Record ``p``'s fold; False when it stays Python's (an optimizer without
+        ``_hyperparameters``, state that a first update creates)."""
+        from .backends import cpp_backend
+        state = opt.state.get(p)
+        if not hasattr(opt, "_hyperparameters") or not state:
+            return False
+        group = opt._group_of[p]
+        hyper = self.hyperparameters.get(id(group))
+        if hyper is None:
+            hyper = self.hyperparameters[id(group)] = opt._hyperparameters(group)
+        if "beta1" in hyper:  # Adam, AdamW
+            step = state.get("step")
+            if step is None:
+                return False
+            count = int(step.item()) + 1  # (Adam._update counts this update first)
+            key = (id(group), count)
+            if key not in self.index:
+                self._new_spec(key, dict(kind="adam", **cpp_backend.adam_scalars(step=count, **hyper)))
+            tensors = (state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), step)
+        else:  # SGD
+            if hyper["momentum"] != 0 and state.get("momentum_buffer") is None:
+                return False
+            key = (id(group),)
+            if key not in self.index:
+                self._new_spec(key, dict(kind="sgd", **cpp_backend.sgd_scalars(**hyper)))
+            tensors = (state.get("momentum_buffer"), None, None, None)
+        self.spec_of.append(self.index[key])
+        self.overwrite.append(overwrite)
+        for column, t in zip(self.states, tensors):
+            column.append(t)
+        return True
+
+    def _new_spec(self, key: tuple, scalars: dict) -> None:
+        self.index[key] = len(self.specs)
+        self.specs.append(scalars)
 
 
 def _is_plain(p: Tensor) -> bool:
@@ -350,7 +432,7 @@ def settle_failed_pass(opt) -> None:
     win = opt._window
     mb, win.backward_pass = win.backward_pass, None
     if opt._fast_path is not None:
-        opt._fast_path.take_records(mb, end=True)
+        opt._fast_path.take_records(opt, mb, end=True)
     if opt.accumulation_steps == 1 or not mb.seen:
         return
     if mb.done or mb.added_to_live:
@@ -393,7 +475,7 @@ def take_grad(opt, p: Tensor) -> None:
         if opt._fast_path is not None:
             opt._fast_path.arm(opt, mb, p)
     elif opt._fast_path is not None:
-        opt._fast_path.take_records(mb)
+        opt._fast_path.take_records(opt, mb)
     again = p in mb.seen
     if again and (p in mb.done or (mb.closing and win.sync is not None)):
         # (a parameter used both inside and outside a reentrant checkpoint gets two)
@@ -464,7 +546,7 @@ def end_pass(opt) -> None:
     win = opt._window
     if win.backward_pass is not None:
         if opt._fast_path is not None:
-            opt._fast_path.take_records(win.backward_pass, end=True)
+            opt._fast_path.take_records(opt, win.backward_pass, end=True)
         _hook_unfrozen(opt)
     mb, win.backward_pass = win.backward_pass, None
     if mb is not None:

@@ -84,17 +84,21 @@ class SGD(AccumulatingOptimizer, torch.optim.SGD):
                     if p.requires_grad and self.state[p].get("momentum_buffer") is None:
                         self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=state_dtype(p))
 
+    def _hyperparameters(self, group) -> dict[str, Any]:
+        """The group's arguments of every backend's ``sgd_update`` (and of in_backward's
+        extension hooks, which fold a parameter's update with the same op)."""
+        return dict(lr=_lr(group), momentum=_as_float(group["momentum"]), dampening=_as_float(group["dampening"]),
+                    weight_decay=_as_float(group["weight_decay"]), nesterov=group["nesterov"],
+                    maximize=group["maximize"])
+
     def _update(self, backend, group, params, buffers, **window) -> None:
-        momentum = _as_float(group["momentum"])
+        hyper = self._hyperparameters(group)
+        momentum = hyper["momentum"]
         # .get on the defaultdict: SGD without momentum keeps no per-parameter entry, as torch.
         momentum_buffers = [kernel_view(b) if b is not None else None
                             for b in (self.state.get(p, {}).get("momentum_buffer") for p in params)]
-        backend.sgd_update(
-            params=[kernel_view(p) for p in params], buffers=buffers, momentum_buffers=momentum_buffers,
-            lr=_lr(group), momentum=momentum, dampening=_as_float(group["dampening"]),
-            weight_decay=_as_float(group["weight_decay"]), nesterov=group["nesterov"],
-            maximize=group["maximize"], **window,
-        )
+        backend.sgd_update(params=[kernel_view(p) for p in params], buffers=buffers,
+                           momentum_buffers=momentum_buffers, **hyper, **window)
         if momentum != 0:
             for p, momentum_buffer in zip(params, momentum_buffers):
                 if self.state[p].get("momentum_buffer") is None:  # new: a backend made it from local shards
@@ -151,16 +155,21 @@ class Adam(AccumulatingOptimizer, torch.optim.Adam):
         # One call for every step count (CPU tensors): 0.4 us per parameter, where ``step += 1``
         # costs 2.5 and a Python-number foreach 1.5 (torch's Adam adds a tensor for the same reason).
         torch._foreach_add_([s["step"] for s in states], torch.ones(()), alpha=1.0)
-        beta1, beta2 = group["betas"]
         backend.adam_update(
             params=[kernel_view(p) for p in params], buffers=buffers,
-            exp_avgs=[kernel_view(s["exp_avg"]) for s in states], exp_avg_sqs=[kernel_view(s["exp_avg_sq"]) for s in states],
+            exp_avgs=[kernel_view(s["exp_avg"]) for s in states],
+            exp_avg_sqs=[kernel_view(s["exp_avg_sq"]) for s in states],
             max_exp_avg_sqs=[kernel_view(s["max_exp_avg_sq"]) for s in states] if amsgrad else [],
-            step=int(states[0]["step"].item()), lr=_lr(group), beta1=_as_float(beta1),
-            beta2=_as_float(beta2), eps=_as_float(group["eps"]), weight_decay=_as_float(group["weight_decay"]),
-            amsgrad=amsgrad, maximize=group["maximize"], decoupled_weight_decay=group["decoupled_weight_decay"],
-            **window,
+            step=int(states[0]["step"].item()), **self._hyperparameters(group), **window,
         )
+
+    def _hyperparameters(self, group) -> dict[str, Any]:
+        """The group's arguments of every backend's ``adam_update`` but the step count (and of
+        in_backward's extension hooks, which fold a parameter's update with the same op)."""
+        beta1, beta2 = group["betas"]
+        return dict(lr=_lr(group), beta1=_as_float(beta1), beta2=_as_float(beta2), eps=_as_float(group["eps"]),
+                    weight_decay=_as_float(group["weight_decay"]), amsgrad=group["amsgrad"],
+                    maximize=group["maximize"], decoupled_weight_decay=group["decoupled_weight_decay"])
 
 
 class AdamW(Adam, torch.optim.AdamW):

@@ -348,6 +348,27 @@ std::optional<Tensor> accumulate_op(const TensorList& grads, const TensorList& b
   return accumulate(grads, buffers, weight, overwrite, grad_scale, norm_weight_sum);
 }
 
+void sgd_update_op(const TensorList& params, const TensorList& buffers, const TensorList& momentum_buffers,
+                   const std::vector<bool>& first_momentum, double weight_sum, const std::optional<Tensor>& clip_coef,
+                   double neg_lr, double momentum, double one_minus_dampening, double weight_decay, bool nesterov,
+                   bool maximize, const std::optional<TensorList>& grads, double weight, bool overwrite,
+                   const std::optional<Tensor>& grad_scale) {
+  sgd_update(params, buffers, momentum_buffers, first_momentum, weight_sum, clip_coef, neg_lr, momentum,
+             one_minus_dampening, weight_decay, nesterov, maximize, grads, weight, overwrite, grad_scale);
+}
+
+void adam_update_op(const TensorList& params, const TensorList& buffers, const TensorList& exp_avgs,
+                    const TensorList& exp_avg_sqs, const TensorList& max_exp_avg_sqs, double weight_sum,
+                    const std::optional<Tensor>& clip_coef, double decay_factor, double weight_decay,
+                    double lerp_weight, double beta2, double one_minus_beta2, double bc2_sqrt, double eps,
+                    double neg_step_size, bool decoupled, bool amsgrad, bool maximize,
+                    const std::optional<TensorList>& grads, double weight, bool overwrite,
+                    const std::optional<Tensor>& grad_scale) {
+  adam_update(params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, weight_sum, clip_coef, decay_factor,
+              weight_decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size, decoupled, amsgrad,
+              maximize, grads, weight, overwrite, grad_scale);
+}
+
 bool same_memory_layout(const Tensor& t, const Tensor& buffer) { return same_layout(t, buffer); }
 
 }  // namespace accum_fused

@@ -1,28 +1,34 @@
-// In-backward hooks without Python (accum_fused/in_backward.py's fast path).
+// In-backward hooks without Python (accum_fused/in_backward.py's FastPath).
 //
-// A backward pass of an in_backward optimizer adds one gradient per parameter into the window.
+// A backward pass of an in_backward optimizer hands one gradient per parameter to the window.
 // In Python each post-accumulate-grad hook cost 5-10 us (issue 22's profile: ~4 ms of a 120 ms
-// window of 60 tensors, k=8); here the common case is one C++ call per parameter per
-// micro-batch. in_backward.py stays the spec: it decides, once per backward pass, which
-// parameters this path may take (the "armed" ones: live buffers on the cpp backend, in a pass
-// that neither updates inside its hooks nor hands buckets to other ranks) and with which
-// weight; everything else -- the pass's first gradient, a parameter not live yet (adopted or
-// overwriting its buffer), a second gradient in one pass, a nested or foreign backward (another
-// autograd graph task), an unusual gradient -- goes to the Python hook given as `fallback`.
-// in_backward.py takes what this path did (`drain`) before it reads the pass's records.
+// window of 60 tensors, k=8); here the common cases are one C++ call per parameter. in_backward.py
+// stays the spec: at a pass's first gradient (which it takes itself) it arms this state with
+// what each other parameter's gradient is to do in this pass, and the exact arguments:
+//   ADD        add into its live buffer (with weight; with the window-norm output on a clipped
+//              window's last micro-batch)
+//   OVERWRITE  overwrite its stale buffer (its first gradient of the window)
+//   ADOPT      become its buffer (fp32, weight 1, no ranks: the zero-copy first micro-batch) if
+//              the gradient allows it, else OVERWRITE when a stale buffer was given
+//   FOLD       update the parameter with its window (the last micro-batch, no clipping, no
+//              ranks), with the update op and the scalars in_backward.py computed for its group
+// Anything else -- a parameter not armed, a second gradient in one pass, another autograd graph
+// task (a reentrant checkpoint's, a foreign backward), a gradient whose dtype, device, shape or
+// layout does not fit -- goes to the Python hook given as `fallback`. in_backward.py reads what
+// was done here (`drain`) before it reads or changes the pass's records.
 //
 //   HookState  one per optimizer; slot i = the i-th hooked parameter
-//     arm(slots, buffers, weight, norm_weight_sum)  from the pass's first (Python) hook:
-//        the current graph task becomes the armed one; buffers[j] is slot j's live buffer
-//     drain() -> (slots taken since the last drain, their norms or [])
+//     arm(...)   see HookState::arm; the current graph task becomes the armed one
+//     drain() -> (slots, what was done, norms, adopted gradients)  since the last drain
 //     disarm()   the pass ended (or failed)
-//     taken      gradients taken by this path, in all (tests count it)
+//     taken      gradients taken here, in all (tests count them)
 //   FastHook(state, slot, fallback)  the hook registered on a parameter
 #include <torch/extension.h>
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -34,76 +40,206 @@ namespace {
 namespace py = pybind11;
 using at::Tensor;
 
+enum Mode : int64_t { kNone = 0, kAdd = 1, kOverwrite = 2, kAdopt = 3, kFold = 4 };
+
+// The update of one parameter group at one step count: the arguments cpp_backend.py computes
+// for bindings.cpp's sgd_update / adam_update, read once per pass.
+struct FoldSpec {
+  bool adam = true;
+  double decay_factor = 1, weight_decay = 0, lerp_weight = 0, beta2 = 0, one_minus_beta2 = 0, bc2_sqrt = 1,
+         eps = 0, neg_step_size = 0;
+  bool decoupled = false, amsgrad = false, maximize = false;
+  double neg_lr = 0, momentum = 0, one_minus_dampening = 1;
+  bool nesterov = false;
+
+  static FoldSpec from(const py::dict& d) {
+    FoldSpec s;
+    s.adam = d["kind"].cast<std::string>() == "adam";
+    s.weight_decay = d["weight_decay"].cast<double>();
+    s.maximize = d["maximize"].cast<bool>();
+    if (s.adam) {
+      s.decay_factor = d["decay_factor"].cast<double>();
+      s.lerp_weight = d["lerp_weight"].cast<double>();
+      s.beta2 = d["beta2"].cast<double>();
+      s.one_minus_beta2 = d["one_minus_beta2"].cast<double>();
+      s.bc2_sqrt = d["bc2_sqrt"].cast<double>();
+      s.eps = d["eps"].cast<double>();
+      s.neg_step_size = d["neg_step_size"].cast<double>();
+      s.decoupled = d["decoupled"].cast<bool>();
+      s.amsgrad = d["amsgrad"].cast<bool>();
+    } else {
+      s.neg_lr = d["neg_lr"].cast<double>();
+      s.momentum = d["momentum"].cast<double>();
+      s.one_minus_dampening = d["one_minus_dampening"].cast<double>();
+      s.nesterov = d["nesterov"].cast<bool>();
+    }
+    return s;
+  }
+};
+
+struct Slot {
+  int64_t mode = kNone;
+  Tensor buffer;  // ADD / OVERWRITE / FOLD: its buffer; ADOPT: a stale buffer or undefined
+  int64_t spec = -1;  // FOLD: the parameter's group update; its state and step count:
+  bool overwrite = false;  // FOLD: the buffer is stale (the window's only gradient is this one)
+  Tensor state0, state1, state2, step;  // exp_avg / momentum_buffer, exp_avg_sq, max_exp_avg_sq
+  int64_t seen_task = -1;  // the armed graph task this slot was last taken in
+};
+
+struct Taken {
+  std::vector<int64_t> slots, modes;
+  std::vector<std::optional<Tensor>> norms, adopted;
+};
+
+bool is_float(const Tensor& t) {
+  const auto d = t.scalar_type();
+  return d == at::kFloat || d == at::kBFloat16 || d == at::kHalf;
+}
+
 struct HookState {
   int64_t armed_task = -1;  // the autograd graph task whose pass may be taken here; -1: none
-  double weight = 1.0;
+  double weight = 1.0, weight_sum = 1.0;
   std::optional<double> norm_weight_sum;
-  std::vector<Tensor> buffers;     // per slot: its live buffer while armed, else undefined
-  std::vector<int64_t> seen_task;  // per slot: the armed task it was last taken in
-  std::vector<int64_t> armed_slots;
-  std::vector<int64_t> taken_slots;  // since the last drain
-  std::vector<Tensor> taken_norms;
+  std::vector<Slot> slots;
+  std::vector<int64_t> armed;
+  std::vector<FoldSpec> specs;
+  Taken taken_now;  // since the last drain
   int64_t taken = 0;
 
-  void add_slot() {
-    buffers.emplace_back();
-    seen_task.push_back(-1);
-  }
+  void add_slot() { slots.emplace_back(); }
 
-  void arm(const std::vector<int64_t>& slots, const std::vector<Tensor>& live_buffers, double w,
-           std::optional<double> nws) {
-    TORCH_CHECK(slots.size() == live_buffers.size(), "arm: slots and buffers differ in length");
+  // slots[i] does modes[i] with buffers[i]; for FOLD, also spec_of[i] into specs and the
+  // parameter's state tensors and step count (lists aligned with slots; None elsewhere).
+  void arm(double w, std::optional<double> nws, double wsum, const std::vector<int64_t>& slot_ids,
+           const std::vector<int64_t>& modes, const std::vector<std::optional<Tensor>>& buffers,
+           const std::vector<py::dict>& fold_specs, const std::vector<int64_t>& spec_of,
+           const std::vector<bool>& overwrite, const std::vector<std::optional<Tensor>>& state0,
+           const std::vector<std::optional<Tensor>>& state1, const std::vector<std::optional<Tensor>>& state2,
+           const std::vector<std::optional<Tensor>>& steps) {
+    const size_t n = slot_ids.size();
+    TORCH_CHECK(modes.size() == n && buffers.size() == n, "arm: lists differ in length");
+    const bool folds = !fold_specs.empty();
+    TORCH_CHECK(!folds || (spec_of.size() == n && overwrite.size() == n && state0.size() == n &&
+                           state1.size() == n && state2.size() == n && steps.size() == n),
+                "arm: fold lists differ in length");
     disarm();
     armed_task = torch::autograd::get_current_graph_task_id();
     if (armed_task < 0) return;  // not inside a backward pass: nothing to take
     weight = w;
     norm_weight_sum = nws;
-    for (size_t i = 0; i < slots.size(); ++i) {
-      TORCH_CHECK(slots[i] >= 0 && slots[i] < static_cast<int64_t>(buffers.size()), "arm: no slot ", slots[i]);
-      buffers[slots[i]] = live_buffers[i];
+    weight_sum = wsum;
+    specs.clear();
+    for (const py::dict& d : fold_specs) specs.push_back(FoldSpec::from(d));
+    for (size_t i = 0; i < n; ++i) {
+      TORCH_CHECK(slot_ids[i] >= 0 && slot_ids[i] < static_cast<int64_t>(slots.size()), "arm: no slot ", slot_ids[i]);
+      Slot& s = slots[slot_ids[i]];
+      s.mode = modes[i];
+      s.buffer = buffers[i].value_or(Tensor());
+      if (s.mode == kFold) {
+        TORCH_CHECK(folds && spec_of[i] >= 0 && spec_of[i] < static_cast<int64_t>(specs.size()), "arm: no spec");
+        s.spec = spec_of[i];
+        s.overwrite = overwrite[i];
+        s.state0 = state0[i].value_or(Tensor());
+        s.state1 = state1[i].value_or(Tensor());
+        s.state2 = state2[i].value_or(Tensor());
+        s.step = steps[i].value_or(Tensor());
+      }
     }
-    armed_slots = slots;
+    armed = slot_ids;
   }
 
   void disarm() {
-    for (int64_t s : armed_slots) buffers[s] = Tensor();
-    armed_slots.clear();
+    for (int64_t i : armed) slots[i] = Slot{kNone, Tensor(), -1, false, {}, {}, {}, {}, slots[i].seen_task};
+    armed.clear();
     armed_task = -1;
   }
 
-  std::pair<std::vector<int64_t>, std::vector<Tensor>> drain() {
-    std::pair<std::vector<int64_t>, std::vector<Tensor>> out{std::move(taken_slots), std::move(taken_norms)};
-    taken_slots.clear();
-    taken_norms.clear();
-    return out;
+  std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<std::optional<Tensor>>,
+             std::vector<std::optional<Tensor>>>
+  drain() {
+    Taken out = std::move(taken_now);
+    taken_now = Taken{};
+    return {std::move(out.slots), std::move(out.modes), std::move(out.norms), std::move(out.adopted)};
   }
 
-  // Takes `param`'s gradient into its buffer when this path may; false leaves everything as
-  // it was, for the Python hook.
-  bool take(int64_t slot, const Tensor& param) {
-    if (armed_task < 0 || slot >= static_cast<int64_t>(buffers.size())) return false;
-    const Tensor& buffer = buffers[slot];
-    if (!buffer.defined() || buffer.scalar_type() != at::kFloat || seen_task[slot] == armed_task) return false;
+  // Does what `param`'s slot was armed for with its gradient, when it fits; false leaves
+  // everything as it was, for the Python hook.
+  bool take(int64_t slot_id, const Tensor& param) {
+    if (armed_task < 0 || slot_id >= static_cast<int64_t>(slots.size())) return false;
+    Slot& s = slots[slot_id];
+    if (s.mode == kNone || s.seen_task == armed_task) return false;
     if (torch::autograd::get_current_graph_task_id() != armed_task) return false;
     Tensor& grad_slot = param.mutable_grad();
     if (!grad_slot.defined()) return false;
     const Tensor grad = grad_slot;  // keeps the gradient alive through the kernel
-    const auto dtype = grad.scalar_type();
-    if (grad.layout() != at::kStrided || (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) ||
-        grad.device() != buffer.device() || grad.sizes() != buffer.sizes() || !same_memory_layout(grad, buffer)) {
-      return false;
+    if (grad.layout() != at::kStrided || !is_float(grad) || grad.device() != param.device()) return false;
+    int64_t done = s.mode;
+    std::optional<Tensor> norm, adopted;
+    if (s.mode == kAdopt && grad.scalar_type() == at::kFloat && grad.is_contiguous() && !grad.is_view() &&
+        param.is_contiguous()) {
+      adopted = grad;  // (as in_backward._can_adopt: the gradient is autograd's fresh, unshared tensor)
+    } else {
+      if (s.mode == kAdopt) done = kOverwrite;
+      const Tensor& buf = s.buffer;
+      if (!buf.defined() || buf.scalar_type() != at::kFloat || buf.device() != grad.device() ||
+          buf.sizes() != grad.sizes() || !same_memory_layout(grad, buf) || (done == kFold && !fold_fits(s, param))) {
+        return false;
+      }
+      py::gil_scoped_release no_gil;  // as the Python path's _C calls do
+      if (done == kFold) {
+        fold(s, param, grad);
+      } else {
+        auto norms = accumulate_op({grad}, {buf}, weight, /*overwrite=*/done == kOverwrite, std::nullopt,
+                                   norm_weight_sum);
+        if (norms.has_value()) norm = norms->reshape({});
+      }
     }
-    std::optional<Tensor> norms;
-    {
-      py::gil_scoped_release no_gil;  // as the Python path's _C.accumulate call does
-      norms = accumulate_op({grad}, {buffer}, weight, /*overwrite=*/false, std::nullopt, norm_weight_sum);
-    }
-    seen_task[slot] = armed_task;
-    taken_slots.push_back(slot);
-    if (norms.has_value()) taken_norms.push_back(norms->reshape({}));
+    s.seen_task = armed_task;
+    taken_now.slots.push_back(slot_id);
+    taken_now.modes.push_back(done);
+    taken_now.norms.push_back(std::move(norm));
+    taken_now.adopted.push_back(std::move(adopted));
     grad_slot.reset();  // .grad = None, as the Python hook leaves it
     ++taken;
     return true;
+  }
+
+  // The update op's own checks, so that it cannot raise inside backward: the parameter and its
+  // state in the buffer's layout (cpp_backend.py re-lays out the rare others; Python does here).
+  static bool fold_fits(const Slot& s, const Tensor& param) {
+    if (!is_float(param) || !same_memory_layout(param, s.buffer)) return false;
+    for (const Tensor* t : {&s.state0, &s.state1, &s.state2}) {
+      if (t->defined() && (t->scalar_type() != at::kFloat || t->device() != s.buffer.device() ||
+                           t->sizes() != s.buffer.sizes() || !same_memory_layout(*t, s.buffer))) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // The optimizer's update of one parameter with the window's last gradient folded in, as
+  // in_backward.take_grad's Python path runs it (the step count first, as Adam._update).
+  void fold(const Slot& s, const Tensor& param, const Tensor& grad) {
+    const FoldSpec& f = specs[s.spec];
+    const std::vector<Tensor> grads{grad};
+    if (f.adam) {
+      s.step.add_(1);
+      std::vector<Tensor> max_sqs;
+      if (f.amsgrad) max_sqs.push_back(s.state2);
+      adam_update_op({param}, {s.buffer}, {s.state0}, {s.state1}, max_sqs, weight_sum, std::nullopt, f.decay_factor,
+                     f.weight_decay, f.lerp_weight, f.beta2, f.one_minus_beta2, f.bc2_sqrt, f.eps, f.neg_step_size,
+                     f.decoupled, f.amsgrad, f.maximize, grads, weight, s.overwrite, std::nullopt);
+    } else {
+      std::vector<Tensor> momentum;
+      std::vector<bool> first;
+      if (f.momentum != 0.0) {
+        momentum.push_back(s.state0);
+        first.push_back(false);
+      }
+      sgd_update_op({param}, {s.buffer}, momentum, first, weight_sum, std::nullopt, f.neg_lr, f.momentum,
+                    f.one_minus_dampening, f.weight_decay, f.nesterov, f.maximize, grads, weight, s.overwrite,
+                    std::nullopt);
+    }
   }
 };
 
@@ -123,8 +259,9 @@ void register_hooks(py::module& m) {
   py::class_<HookState, std::shared_ptr<HookState>>(m, "HookState")
       .def(py::init<>())
       .def("add_slot", &HookState::add_slot)
-      .def("arm", &HookState::arm, py::arg("slots"), py::arg("buffers"), py::arg("weight"),
-           py::arg("norm_weight_sum"))
+      .def("arm", &HookState::arm, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"),
+           py::arg("slots"), py::arg("modes"), py::arg("buffers"), py::arg("fold_specs"), py::arg("spec_of"),
+           py::arg("overwrite"), py::arg("state0"), py::arg("state1"), py::arg("state2"), py::arg("steps"))
       .def("disarm", &HookState::disarm)
       .def("drain", &HookState::drain)
       .def_property_readonly("armed", [](const HookState& s) { return s.armed_task >= 0; })

@@ -15,6 +15,23 @@ std::optional<at::Tensor> accumulate_op(const std::vector<at::Tensor>& grads, co
                                         double weight, bool overwrite, const std::optional<at::Tensor>& grad_scale,
                                         std::optional<double> norm_weight_sum);
 
+// The update ops (bindings.cpp's sgd_update / adam_update, whose arguments
+// accum_fused/backends/cpp_backend.py computes).
+void sgd_update_op(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& buffers,
+                   const std::vector<at::Tensor>& momentum_buffers, const std::vector<bool>& first_momentum,
+                   double weight_sum, const std::optional<at::Tensor>& clip_coef, double neg_lr, double momentum,
+                   double one_minus_dampening, double weight_decay, bool nesterov, bool maximize,
+                   const std::optional<std::vector<at::Tensor>>& grads, double weight, bool overwrite,
+                   const std::optional<at::Tensor>& grad_scale);
+void adam_update_op(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& buffers,
+                    const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                    const std::vector<at::Tensor>& max_exp_avg_sqs, double weight_sum,
+                    const std::optional<at::Tensor>& clip_coef, double decay_factor, double weight_decay,
+                    double lerp_weight, double beta2, double one_minus_beta2, double bc2_sqrt, double eps,
+                    double neg_step_size, bool decoupled, bool amsgrad, bool maximize,
+                    const std::optional<std::vector<at::Tensor>>& grads, double weight, bool overwrite,
+                    const std::optional<at::Tensor>& grad_scale);
+
 // Whether `t` walks memory in the order `buffer` does (the kernels' requirement).
 bool same_memory_layout(const at::Tensor& t, const at::Tensor& buffer);
 

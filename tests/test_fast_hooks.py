@@ -28,12 +28,19 @@ def _optimizer(name, params, **kw):
     return accum_fused.AdamW(params, lr=0.01, weight_decay=0.1, backend="cpp", in_backward=True, **kw)
 
 
-def _train(python_only, monkeypatch, *, dtype, mode, clip, name="AdamW", windows=3, step_fn=None):
+def _train(python_only, monkeypatch, *, dtype, mode, clip, name="AdamW", windows=3, step_fn=None, grads_per_pass=6):
     """Train a fresh model; returns (parameters, gradients the extension took)."""
     if python_only:
         monkeypatch.setattr(in_backward.FastPath, "for_optimizer", staticmethod(lambda opt: None))
     else:
         monkeypatch.undo()
+    python_calls = [0]
+    take_grad = in_backward.take_grad
+
+    def counted(opt, p):
+        python_calls[0] += 1
+        take_grad(opt, p)
+    monkeypatch.setattr(in_backward, "take_grad", counted)
     model = _model(dtype)
     k = K if mode == "B" else 1
     opt = _optimizer(name, model.parameters(), accumulation_steps=k, max_grad_norm=clip)
@@ -49,10 +56,11 @@ def _train(python_only, monkeypatch, *, dtype, mode, clip, name="AdamW", windows
                 opt.step()
                 opt.zero_grad()
     taken = 0 if opt._fast_path is None else opt._fast_path.state.taken
+    assert taken + python_calls[0] == windows * K * grads_per_pass  # every gradient taken once, by one of them
     opt.close()
     # The fp32 state too: a bf16 parameter can round a small difference away.
     state = [t for p in model.parameters() for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
-    return [p.detach().clone() for p in model.parameters()] + state, taken
+    return [p.detach().clone() for p in model.parameters()] + state, python_calls[0]
 
 
 @pytest.mark.parametrize("name", ["SGD", "AdamW"])
@@ -60,16 +68,17 @@ def _train(python_only, monkeypatch, *, dtype, mode, clip, name="AdamW", windows
                          ids=["modeA", "modeA-clip", "modeB", "modeB-clip"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_extension_hooks_match_python_hooks(monkeypatch, dtype, mode, clip, name):
-    fast, taken = _train(False, monkeypatch, dtype=dtype, mode=mode, clip=clip, name=name)
-    slow, slow_taken = _train(True, monkeypatch, dtype=dtype, mode=mode, clip=clip, name=name)
-    assert slow_taken == 0
+    fast, python_calls = _train(False, monkeypatch, dtype=dtype, mode=mode, clip=clip, name=name)
+    slow, _ = _train(True, monkeypatch, dtype=dtype, mode=mode, clip=clip, name=name)
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)
-    # Each pass's first gradient, and every parameter not yet live in the window (its first
-    # micro-batch adopts or overwrites its buffer), are Python's; mode B's last pass updates
-    # inside its hooks without clipping (Python's too). 6 parameters.
-    passes_taken = (K - 1 if mode == "A" else K - 2 + (clip is not None)) * 3
-    assert taken == 5 * passes_taken
+    # Python's share (the extension's is the rest): each pass's first gradient; a first gradient
+    # of the window with no buffer to overwrite (Python allocates it): in mode A with bf16/fp16
+    # parameters once (fp32 ones are adopted), in mode B in one of the windows (window 1's first
+    # micro-batch adopts fp32 gradients, window 2's, weighted 2, finds the adopted buffers gone;
+    # bf16/fp16: window 1); the first update without clipping (it creates the optimizer state).
+    expected = K * 3 + 5 * ((mode == "A" and dtype != torch.float32) + (mode == "B") + (mode == "B" and clip is None))
+    assert python_calls == expected
 
 
 def test_second_gradient_and_reentrant_checkpoint_go_to_python(monkeypatch):
@@ -79,48 +88,53 @@ def test_second_gradient_and_reentrant_checkpoint_go_to_python(monkeypatch):
         x = x.detach().requires_grad_()  # (a reentrant checkpoint needs an input that requires grad)
         h = checkpoint(model[:2], x, use_reentrant=True)  # the first layer inside ...
         return model[2:](h) + model[0](x)[:, :3]  # ... and outside
-    fast, taken = _train(False, monkeypatch, dtype=torch.float32, mode="B", clip=1.0, step_fn=twice)
-    slow, _ = _train(True, monkeypatch, dtype=torch.float32, mode="B", clip=1.0, step_fn=twice)
-    assert taken > 0
+    # The first layer's weight and bias get two gradients per pass: 8 in all.
+    fast, python_calls = _train(False, monkeypatch, dtype=torch.float32, mode="B", clip=1.0, step_fn=twice,
+                                grads_per_pass=8)
+    slow, _ = _train(True, monkeypatch, dtype=torch.float32, mode="B", clip=1.0, step_fn=twice, grads_per_pass=8)
+    assert python_calls < 4 * K * 3
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)
 
 
-def test_failed_pass_after_the_extension_took_gradients(monkeypatch):
-    """A backward that raises after the extension added gradients into the window's sums: the
-    window is discarded with a warning, as with Python's hooks, and the next pass works."""
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("simulated out of memory")
+
+
+@pytest.mark.parametrize("closing", [False, True], ids=["middle-pass", "updating-pass"])
+def test_failed_pass_after_the_extension_took_gradients(monkeypatch, closing):
+    """A backward that raises after the extension added gradients into the window's sums (or,
+    in the window's last micro-batch, updated parameters): the window is discarded with a
+    warning, as with Python's hooks alone, and training goes on identically."""
     results = []
     for python_only in (False, True):
         if python_only:
             monkeypatch.setattr(in_backward.FastPath, "for_optimizer", staticmethod(lambda opt: None))
         model = _model(torch.float32)
         opt = _optimizer("AdamW", model.parameters(), accumulation_steps=K)
-
-        class Boom(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                return x.clone()
-
-            @staticmethod
-            def backward(ctx, g):
-                raise RuntimeError("simulated out of memory")
-
         x = torch.randn(4, 7)
-        opt.backward(model(x).square().mean())
-        opt.backward(model(x).square().mean())
-        # The last layer's gradients arrive (the extension takes most), then the first
-        # layer's input path raises.
-        with pytest.warns(RuntimeWarning, match="window was discarded"), pytest.raises(RuntimeError, match="simulated"):
-            opt.backward(model[2:](Boom.apply(model[:2](x))).square().mean())
+        for _ in range(K + (K - 1 if closing else 1)):  # a whole window (the state exists), then some
+            opt.backward(model(x).square().mean(), weight=2.0)
+        # The last layers' gradients arrive (the extension takes all but the first), then the
+        # first layer's input path raises.
+        lost = "updated inside it" if closing else "adding gradients to the window's sums"
+        with pytest.warns(RuntimeWarning, match=lost), pytest.raises(RuntimeError, match="simulated"):
+            opt.backward(model[2:](_Boom.apply(model[:2](x))).square().mean(), weight=2.0)
         if not python_only:
             assert opt._fast_path.state.taken > 0 and not opt._fast_path.state.armed
         assert opt.micro_step == 0
         for _ in range(K):
             opt.backward(model(x).square().mean())
-        assert opt.update_count == 1
-        results.append([p.detach().clone() for p in model.parameters()])
+        results.append([opt.update_count] + [p.detach().clone() for p in model.parameters()])
         opt.close()
-    for a, b in zip(*results):
+    assert results[0][0] == results[1][0] == 2
+    for a, b in zip(results[0][1:], results[1][1:]):
         assert torch.equal(a, b)
 
 
@@ -134,3 +148,25 @@ def test_close_disarms_and_other_backends_have_python_hooks():
     opt = accum_fused.AdamW(model.parameters(), backend="torch", in_backward=True)
     assert opt._fast_path is None
     opt.close()
+
+
+def test_parameters_in_other_layouts_are_python_s(monkeypatch):
+    """A transposed parameter (its gradient, buffer and state in its layout, a state loaded
+    contiguous): whatever the extension cannot take as it is goes to Python, same result."""
+    results = []
+    for python_only in (False, True):
+        if python_only:
+            monkeypatch.setattr(in_backward.FastPath, "for_optimizer", staticmethod(lambda opt: None))
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(9, 7).t())  # 7 x 9, strides (1, 7)
+        b = nn.Parameter(torch.randn(9))
+        opt = _optimizer("AdamW", [w, b], accumulation_steps=K)
+        for i in range(3 * K):
+            if i == K:  # the state, loaded contiguous
+                opt.state[w]["exp_avg"] = opt.state[w]["exp_avg"].contiguous()
+            x = torch.randn(3, 7)
+            opt.backward((x @ w + b).square().mean(), weight=float(1 + i % 2))
+        results.append([w.detach().clone(), b.detach().clone(), opt.state[w]["exp_avg"].clone()])
+        opt.close()
+    for a, c in zip(*results):
+        assert torch.equal(a, c)

@@ -135,14 +135,20 @@ def sgd_update(
             live_buffers.append(momentum_buf)
     _C.sgd_update(
         params=layout.read_write(params), buffers=list(buffers), momentum_buffers=layout.read_write(live_buffers),
-        first_momentum=first_momentum,
-        weight_sum=float(weight_sum), clip_coef=device_scalar(clip_coef, device),
-        neg_lr=-host_value(lr), momentum=float(momentum), one_minus_dampening=1 - dampening,
-        weight_decay=float(weight_decay), nesterov=bool(nesterov), maximize=bool(maximize),
+        first_momentum=first_momentum, weight_sum=float(weight_sum), clip_coef=device_scalar(clip_coef, device),
+        **sgd_scalars(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+                      maximize=maximize),
         grads=None if grads is None else layout.read(grads), weight=float(weight), overwrite=bool(overwrite),
         grad_scale=device_scalar(grad_scale, device),
     )
     layout.finish()
+
+
+def sgd_scalars(*, lr, momentum, dampening, weight_decay, nesterov, maximize) -> dict:
+    """The scalar arguments of ``_C.sgd_update`` (also what in_backward's extension hooks fold
+    a parameter's update with)."""
+    return dict(neg_lr=-host_value(lr), momentum=float(momentum), one_minus_dampening=1 - dampening,
+                weight_decay=float(weight_decay), nesterov=bool(nesterov), maximize=bool(maximize))
 
 
 def adam_update(
@@ -172,20 +178,28 @@ def adam_update(
         return
     device = buffers[0].device
     layout = _Layout(buffers)
-    # The reference's expressions, evaluated with the reference's types (see module docstring).
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2**0.5
-    decay_factor = 1 - lr * weight_decay if decoupled_weight_decay and weight_decay != 0 else 1.0
     _C.adam_update(
         params=layout.read_write(params), buffers=list(buffers), exp_avgs=layout.read_write(exp_avgs),
         exp_avg_sqs=layout.read_write(exp_avg_sqs),
         max_exp_avg_sqs=layout.read_write(max_exp_avg_sqs) if amsgrad else [], weight_sum=float(weight_sum),
-        clip_coef=device_scalar(clip_coef, device), decay_factor=host_value(decay_factor), weight_decay=float(weight_decay),
-        lerp_weight=1 - beta1, beta2=float(beta2), one_minus_beta2=1 - beta2, bc2_sqrt=bias_correction2_sqrt,
-        eps=float(eps), neg_step_size=-host_value(step_size), decoupled=bool(decoupled_weight_decay),
-        amsgrad=bool(amsgrad), maximize=bool(maximize), grads=None if grads is None else layout.read(grads),
-        weight=float(weight), overwrite=bool(overwrite), grad_scale=device_scalar(grad_scale, device),
+        clip_coef=device_scalar(clip_coef, device),
+        **adam_scalars(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                       amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=decoupled_weight_decay),
+        grads=None if grads is None else layout.read(grads), weight=float(weight), overwrite=bool(overwrite),
+        grad_scale=device_scalar(grad_scale, device),
     )
     layout.finish()
+
+
+def adam_scalars(*, step, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay) -> dict:
+    """The scalar arguments of ``_C.adam_update`` after ``step`` steps (also what in_backward's
+    extension hooks fold a parameter's update with): the reference's expressions, evaluated with
+    the reference's types (see module docstring)."""
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    decay_factor = 1 - lr * weight_decay if decoupled_weight_decay and weight_decay != 0 else 1.0
+    return dict(decay_factor=host_value(decay_factor), weight_decay=float(weight_decay), lerp_weight=1 - beta1,
+                beta2=float(beta2), one_minus_beta2=1 - beta2, bc2_sqrt=bias_correction2**0.5, eps=float(eps),
+                neg_step_size=-host_value(step_size), decoupled=bool(decoupled_weight_decay), amsgrad=bool(amsgrad),
+                maximize=bool(maximize))
