@@ -1,0 +1,529 @@
+#!/usr/bin/env python
+"""Train a small GPT-style decoder-only transformer with gradient accumulation on CPU: the native
+torch loop against accum_fused plain and accum_fused in_backward mode A and mode B, in one run,
+interleaved window by window (the project's real-model benchmark; benchmarks/bench_backward.py
+times the same loops with a backward that does almost nothing).
+
+The model (plain PyTorch, defined here): token embedding + learned position embedding, --layers
+pre-LayerNorm blocks (causal self-attention through scaled_dot_product_attention(is_causal=True)
+with qkv as one Linear(d, 3d), or three Linear(d, d) with --qkv separate, output projection
+Linear(d, d), MLP Linear(d, 4d) -> GELU -> Linear(4d, d)), final LayerNorm, LM head
+Linear(d, vocab, bias=False), not tied to the embedding unless --tie. No dropout. Defaults: 4
+layers, d 512, 8 heads, vocab 8192, sequence 128: 21,064,704 fp32 parameters in 53 tensors.
+Data: random token ids from a seeded generator, generated once before timing (every contender
+trains on the same micro-batches); loss = cross entropy of next-token prediction, mean over the
+micro-batch's tokens.
+
+Contenders (AdamW lr 3e-4, weight decay 0.1, default betas, k micro-batches per window, clip 1.0
+or none), each on its own deep copy of the same initial model, interleaved window by window (the
+first mover rotates each round):
+
+  native   per micro-batch (loss / k).backward(); at the window end clip_grad_norm_(params, clip)
+           (when clipping), torch.optim.AdamW(fused=True).step() (foreach=True where fused is not
+           supported), opt.zero_grad()
+  plain    accum_fused.AdamW(accumulation_steps=k, max_grad_norm=clip):
+           per micro-batch loss.backward(); opt.step(weight=1.0); opt.zero_grad()
+  mode_a   accum_fused.AdamW(in_backward=True, max_grad_norm=clip): the native loop unchanged,
+           (loss / k).backward() per micro-batch; opt.step(); opt.zero_grad() at the window end
+  mode_b   accum_fused.AdamW(in_backward=True, accumulation_steps=k, max_grad_norm=clip):
+           opt.backward(loss, weight=1.0) per micro-batch; the k-th applies the update
+  fb_only  k x (forward + backward) with post-accumulate-grad hooks that set .grad = None, no
+           optimizer: the floor the model itself costs (not a training loop)
+
+(mode_b_fused, mode_b with accum_fused.nn's fused Linear, is planned: see PLANNED below.)
+
+Reported per clip setting and contender: median ms/window and interquartile range, median of the
+per-round ratios to native and the ratio of medians, optimizer-side ms = median over rounds of
+(contender - fb_only) and its ratio to native's, median minor page faults per window, held
+B/param after a window (bytes of the distinct tensor storages the contender holds after its last
+window: parameters, any .grad, optimizer state, accum_fused's window buffers; divided by the
+parameter count: what stays resident between windows, not the peak inside one), max |param -
+native param| after all windows (~1e-6..1e-5 expected for fp32: everyone trained the same model)
+and a check column (accum_fused: update_count == windows, micro_step == 0, no .grad left; native:
+every AdamW state step == windows; any parameter off native's by more than 1e-3 or non-finite).
+A failed check makes the exit status 1. Also a JSON record and a PNG plot (ratio to native and
+optimizer-side ms per contender, one group per clip setting).
+
+Usage (from the repository root):
+  python benchmarks/bench_transformer.py                  # 21M params, k=8, clip 1.0 and none, 2 threads
+  python benchmarks/bench_transformer.py --clip on --contenders native,mode_b,fb_only --repeats 20
+  python benchmarks/bench_transformer.py --qkv separate --tie --layers 2
+  python benchmarks/bench_transformer.py --layers 1 --d-model 64 --heads 2 --vocab 128 --seq 16 \\
+      --micro-batch 2 --k 2 --warmup 1 --repeats 2 --json /tmp/bt.json --plot /tmp/bt.png   # seconds
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+try:
+    import accum_fused
+except ImportError:  # not installed: run against the checkout this script lives in
+    sys.path.insert(0, str(HERE.parent))
+    import accum_fused
+from accum_fused.bench import cpu_model, held_tensor_bytes, native_adamw_impl, versions  # noqa: E402
+
+LR, WEIGHT_DECAY = 3e-4, 0.1
+# An AdamW update moves a parameter by about lr per window; trajectories this far apart are not
+# rounding differences but different training.
+MAX_PARAM_DIFF = 1e-3
+
+
+# --------------------------------------------------------------------------------- the model
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, separate_qkv: bool):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        if separate_qkv:
+            self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        else:
+            self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (self.qkv(x).split(d, dim=-1) if hasattr(self, "qkv") else (self.q(x), self.k(x), self.v(x)))
+        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, seq: int, d: int, layers: int, heads: int, tie: bool, separate_qkv: bool):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads, separate_qkv) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        if tie:
+            self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def build_model(args) -> GPT:
+    torch.manual_seed(args.seed)
+    return GPT(args.vocab, args.seq, args.d_model, args.layers, args.heads, args.tie, args.qkv == "separate")
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, mean over the micro-batch's tokens; tokens is (batch, seq + 1)."""
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def make_batches(args, windows: int) -> list[list[torch.Tensor]]:
+    """windows x k micro-batches of random token ids, the same for every contender and case."""
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    return [[torch.randint(args.vocab, (args.micro_batch, args.seq + 1), generator=gen) for _ in range(args.k)]
+            for _ in range(windows)]
+
+
+# ------------------------------------------------------------------------------ contenders
+class Contender:
+    """One training loop on its own copy of the model: ``micro_batch(loss)`` per micro-batch,
+    ``end_window()`` after the k-th."""
+    name = ""
+
+    def __init__(self, model: nn.Module, k: int, clip: float | None, backend: str, impl: str):
+        self.model = self.prepare(model)
+        self.params = list(self.model.parameters())
+        self.k, self.clip = k, clip
+        self.opt = None
+        self.setup(backend, impl)
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """The model this contender trains (a contender that swaps modules does it here)."""
+        return model
+
+    def setup(self, backend: str, impl: str) -> None:
+        raise NotImplementedError
+
+    def micro_batch(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def end_window(self) -> None:
+        pass
+
+    def window(self, batches: list[torch.Tensor]) -> None:
+        for tokens in batches:
+            self.micro_batch(lm_loss(self.model, tokens))
+        self.end_window()
+
+    def check(self, windows: int) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class Native(Contender):
+    name = "native"
+
+    def setup(self, backend, impl):
+        self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=WEIGHT_DECAY, **{impl: True})
+        self.label = f"torch.optim.AdamW({impl}=True)" + (f" + clip_grad_norm_({self.clip})" if self.clip else "")
+
+    def micro_batch(self, loss):
+        (loss / self.k).backward()
+
+    def end_window(self):
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def check(self, windows):
+        steps = {int(self.opt.state[p]["step"]) for p in self.params}
+        if steps != {windows}:
+            return f"state steps {sorted(steps)}, expected {windows}"
+        return ".grad left after the last window" if any(p.grad is not None for p in self.params) else None
+
+
+class AccumFused(Contender):
+    """accum_fused.AdamW; subclasses say whether the window is the optimizer's (k) and in_backward."""
+    windowed = True
+    in_backward = False
+
+    def setup(self, backend, impl):
+        steps = self.k if self.windowed else 1
+        self.opt = accum_fused.AdamW(self.params, lr=LR, weight_decay=WEIGHT_DECAY, accumulation_steps=steps,
+                                     max_grad_norm=self.clip, backend=backend, in_backward=self.in_backward)
+        self.label = (f"accum_fused.AdamW(backend={backend!r}, accumulation_steps={steps}, "
+                      f"max_grad_norm={self.clip}, in_backward={self.in_backward})")
+
+    def check(self, windows):
+        if self.opt.update_count != windows or self.opt.micro_step != 0:
+            return (f"update_count={self.opt.update_count} micro_step={self.opt.micro_step}, "
+                    f"expected {windows}, 0")
+        return ".grad left after the last window" if any(p.grad is not None for p in self.params) else None
+
+    def close(self):
+        self.opt.close()  # in_backward: the hooks go, so another optimizer may own these parameters
+
+
+class Plain(AccumFused):
+    name = "plain"
+
+    def micro_batch(self, loss):
+        loss.backward()
+        self.opt.step(weight=1.0)
+        self.opt.zero_grad()
+
+
+class ModeA(AccumFused):
+    name, windowed, in_backward = "mode_a", False, True
+
+    def micro_batch(self, loss):
+        (loss / self.k).backward()
+
+    def end_window(self):
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+class ModeB(AccumFused):
+    name, in_backward = "mode_b", True
+
+    def micro_batch(self, loss):
+        self.opt.backward(loss, weight=1.0)  # the k-th call applies the update
+
+
+class FbOnly(Contender):
+    name = "fb_only"
+
+    def setup(self, backend, impl):
+        def drop(p):
+            p.grad = None
+        self.handles = [p.register_post_accumulate_grad_hook(drop) for p in self.params]
+        self.label = "forward + backward only (hooks drop .grad)"
+
+    def micro_batch(self, loss):
+        loss.backward()
+
+    def close(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+CONTENDERS = {c.name: c for c in (Native, Plain, ModeA, ModeB, FbOnly)}
+# Hook for contenders not written yet. mode_b_fused: ModeB on a model whose nn.Linear layers are
+# accum_fused.nn's fused Linear (weights copied from the shared initial model): subclass ModeB,
+# override prepare(model) to swap the modules, register it in CONTENDERS and drop it from here.
+PLANNED = {"mode_b_fused": "mode_b with accum_fused.nn's fused Linear (accum_fused.nn is not written yet)"}
+
+
+# ---------------------------------------------------------------------------------- timing
+def _minor_faults() -> int:
+    try:
+        import resource
+    except ImportError:  # (Windows)
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def run_rounds(contenders: list[Contender], batches, warmup: int) -> tuple[dict, dict]:
+    """One window per contender per round, first mover rotating; rounds after warm-up are timed."""
+    n = len(contenders)
+    times = {c.name: [] for c in contenders}
+    faults = {c.name: [] for c in contenders}  # minor page faults per window: fresh gradient storage
+    gc.collect()
+    gc.disable()
+    try:
+        for r, window_batches in enumerate(batches):
+            for c in contenders[r % n:] + contenders[:r % n]:
+                f0 = _minor_faults()
+                t0 = time.perf_counter()
+                c.window(window_batches)
+                ms = (time.perf_counter() - t0) * 1e3
+                if r >= warmup:
+                    times[c.name].append(ms)
+                    faults[c.name].append(_minor_faults() - f0)
+    finally:
+        gc.enable()
+    return times, faults
+
+
+def held_bytes(c: Contender) -> int:
+    grads = [p.grad for p in c.params if p.grad is not None]
+    opt = c.opt if c.opt is not None else types.SimpleNamespace(state={})
+    return held_tensor_bytes([*c.params, *grads], opt)  # storages shared by several count once
+
+
+def versus_native(c: Contender, times: dict, native: Contender) -> dict:
+    ts, nts = times[c.name], times["native"]
+    ratios = [t / nt for t, nt in zip(ts, nts)]
+    out = {"ratios_vs_native": ratios, "median_ratio_vs_native": statistics.median(ratios),
+           "ratio_of_medians_vs_native": statistics.median(ts) / statistics.median(nts)}
+    if "fb_only" in times and c.name != "fb_only":
+        native_side = statistics.median(t - f for t, f in zip(nts, times["fb_only"]))
+        mine = statistics.median(t - f for t, f in zip(ts, times["fb_only"]))
+        out["optimizer_side_ratio_vs_native"] = mine / native_side if native_side else None
+    if isinstance(c, AccumFused):
+        out["max_abs_diff_vs_native"] = max((a - b).abs().max().item() for a, b in zip(c.params, native.params))
+    return out
+
+
+def summarise(contenders: list[Contender], times: dict, faults: dict, clip, windows: int) -> list[dict]:
+    native = next((c for c in contenders if c.name == "native"), None)
+    out = []
+    for c in contenders:
+        ts = times[c.name]
+        q = statistics.quantiles(ts, n=4, method="inclusive") if len(ts) > 1 else [ts[0]] * 3
+        numel = sum(p.numel() for p in c.params)
+        held = held_bytes(c)
+        entry = {"contender": c.name, "implementation": c.label, "max_grad_norm": clip, "times_ms": ts,
+                 "median_ms": statistics.median(ts), "min_ms": min(ts), "q1_ms": q[0], "q3_ms": q[2],
+                 "page_faults_per_window": statistics.median(faults[c.name]),
+                 "held_bytes_after_window": held, "held_bytes_per_param_after_window": held / numel}
+        if "fb_only" in times and c.name != "fb_only":
+            entry["optimizer_side_ms"] = statistics.median(t - f for t, f in zip(ts, times["fb_only"]))
+        if native is not None:
+            entry.update(versus_native(c, times, native))
+        problems = [c.check(windows)]
+        diff = entry.get("max_abs_diff_vs_native")
+        if diff is not None and not (math.isfinite(diff) and diff <= MAX_PARAM_DIFF):
+            problems.append(f"params off native by {diff:.1e} (> {MAX_PARAM_DIFF:g})")
+        entry["check"] = "; ".join(p for p in problems if p) or None
+        out.append(entry)
+    return out
+
+
+def time_case(args, init_model: nn.Module, batches, clip, impl: str) -> list[dict]:
+    contenders = [CONTENDERS[name](copy.deepcopy(init_model), args.k, clip, args.backend, impl)
+                  for name in args.contenders]
+    try:
+        times, faults = run_rounds(contenders, batches, args.warmup)
+        return summarise(contenders, times, faults, clip, len(batches))
+    finally:
+        # Close before the next case builds its optimizers: a live in_backward optimizer keeps
+        # its hooks (and its claim) on these parameters until closed or collected.
+        for c in contenders:
+            c.close()
+        del contenders
+        gc.collect()
+
+
+# --------------------------------------------------------------------------------- output
+def _fmt(r: dict, key: str, spec: str) -> str:
+    value = r.get(key)
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(results: list[dict]) -> None:
+    header = ["clip", "contender", "ms/window (median)", "IQR ms", "ratio vs native (median of rounds)",
+              "ratio of medians", "optimizer-side ms (- fb_only)", "optimizer-side ratio", "page faults per window",
+              "held B/param after a window", "max |Δparam| vs native", "check"]
+    print()
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|")
+    for r in results:
+        row = [str(r["max_grad_norm"]), r["contender"], f"{r['median_ms']:.1f}", f"{r['q1_ms']:.1f}-{r['q3_ms']:.1f}",
+               _fmt(r, "median_ratio_vs_native", ".3f"), _fmt(r, "ratio_of_medians_vs_native", ".3f"),
+               _fmt(r, "optimizer_side_ms", ".1f"), _fmt(r, "optimizer_side_ratio_vs_native", ".3f"),
+               f"{r['page_faults_per_window']:.0f}", f"{r['held_bytes_per_param_after_window']:.2f}",
+               _fmt(r, "max_abs_diff_vs_native", ".1e"), r["check"] or "ok"]
+        print("| " + " | ".join(row) + " |")
+
+
+def plot(results: list[dict], clips: list, title: str, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed: no plot written")
+        return False
+    names = list(dict.fromkeys(r["contender"] for r in results))
+    width = 0.8 / len(names)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    panels = (("median_ratio_vs_native", "time per window / native (median of rounds)", "native"),
+              ("optimizer_side_ms", "optimizer-side ms per window (contender - fb_only)", "fb_only"))
+    for ax, (key, ylabel, needs) in zip(axes, panels):
+        for i, name in enumerate(names):
+            offset = (i - (len(names) - 1) / 2) * width
+            bars = [(j + offset, r[key]) for j, clip in enumerate(clips) for r in results
+                    if r["contender"] == name and r["max_grad_norm"] == clip and r.get(key) is not None]
+            if bars:
+                ax.bar([x for x, _ in bars], [y for _, y in bars], width, label=name)
+        ax.set_xticks(range(len(clips)), [f"max_grad_norm={clip}" for clip in clips])
+        ax.set_xlim(-0.5, len(clips) - 0.5)
+        ax.set_ylabel(ylabel)
+        if ax.get_legend_handles_labels()[1]:
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, f"(needs the {needs} contender)", ha="center", transform=ax.transAxes)
+    axes[0].axhline(1.0, linestyle="--", color="black", linewidth=1)
+    axes[1].axhline(0.0, color="black", linewidth=0.5)
+    fig.suptitle(title, fontsize="medium")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ----------------------------------------------------------------------------------- main
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    for flag, default in (("--layers", 4), ("--d-model", 512), ("--heads", 8), ("--vocab", 8192), ("--seq", 128),
+                          ("--micro-batch", 4), ("--k", 8)):
+        ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--tie", action="store_true", help="tie the LM head to the token embedding")
+    ap.add_argument("--qkv", choices=("fused", "separate"), default="fused",
+                    help="one Linear(d, 3d) or three Linear(d, d)")
+    ap.add_argument("--clip", choices=("both", "on", "off"), default="both", help="max_grad_norm 1.0, none, or both")
+    ap.add_argument("--contenders", default="native,plain,mode_a,mode_b,fb_only",
+                    help=f"comma list of {', '.join(CONTENDERS)}")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="default benchmarks/results/transformer_cpu_<date>.json")
+    ap.add_argument("--plot", default=None, help="default: the JSON path with .png")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    args.contenders = [c for c in args.contenders.split(",") if c]
+    for name in args.contenders:
+        if name in PLANNED:
+            ap.error(f"contender {name!r} is planned, not written yet: {PLANNED[name]}")
+        if name not in CONTENDERS:
+            ap.error(f"unknown contender {name!r}; known: {', '.join(CONTENDERS)}")
+    if not args.contenders or len(set(args.contenders)) != len(args.contenders):
+        ap.error(f"--contenders needs distinct names from: {', '.join(CONTENDERS)}")
+    if args.d_model % args.heads:
+        ap.error(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
+    if args.repeats < 1 or args.warmup < 0 or args.k < 1:
+        ap.error("--repeats and --k must be >= 1, --warmup >= 0")
+    return args
+
+
+def config_record(args, model: nn.Module, clips: list, resolved: str, impl: str) -> dict:
+    params = list(model.parameters())
+    return {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "vocab": args.vocab,
+            "seq": args.seq, "micro_batch": args.micro_batch, "k": args.k, "tie": args.tie, "qkv": args.qkv,
+            "params": sum(p.numel() for p in params), "tensors": len(params),
+            "tokens_per_window": args.k * args.micro_batch * args.seq, "clips": clips,
+            "contenders": args.contenders, "backend": args.backend, "resolved_backend": resolved,
+            "native_adamw": impl, "warmup": args.warmup, "repeats": args.repeats, "lr": LR,
+            "weight_decay": WEIGHT_DECAY, "betas": [0.9, 0.999], "seed": args.seed, "dtype": "float32",
+            "data": "random token ids (torch.Generator seeded seed + 1); next-token cross entropy, "
+                    "mean over the micro-batch's tokens"}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = build_model(args)
+    numel, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    batches = make_batches(args, args.warmup + args.repeats)
+    impl = native_adamw_impl(torch.device("cpu"), torch.float32)
+    resolved = accum_fused.backends.resolve(args.backend, torch.device("cpu"), torch.float32)
+    resolved = getattr(resolved, "__name__", str(resolved))
+    clips = {"both": [1.0, None], "on": [1.0], "off": [None]}[args.clip]
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print(f"GPT {args.layers} layers, d {args.d_model}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, "
+          f"qkv {args.qkv}, {'tied' if args.tie else 'untied'} head: {numel:,} fp32 params in {tensors} tensors; "
+          f"k={args.k} x {args.micro_batch} sequences, threads {torch.get_num_threads()}, backend {args.backend} -> "
+          f"{resolved}, native AdamW {impl}, {args.warmup} warm-up + {args.repeats} timed windows, "
+          f"load average {load_before}", flush=True)
+    t0 = time.time()
+    results = []
+    for clip in clips:
+        results += time_case(args, model, batches, clip, impl)
+        print(f"  clip {clip}: done ({time.time() - t0:.0f}s)", flush=True)
+    load_after = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print_table(results)
+    print(f"\nload average before {load_before}, after {load_after} ({os.cpu_count()} CPUs)")
+    stamp = _dt.datetime.now()
+    path = Path(args.json) if args.json else HERE / "results" / f"transformer_cpu_{stamp:%Y%m%d-%H%M%S}.json"
+    plot_path = None if args.no_plot else Path(args.plot) if args.plot else path.with_suffix(".png")
+    if plot_path is not None and not plot(results, clips, f"{numel:,} params, k={args.k}, {torch.get_num_threads()} "
+                                          f"threads, {cpu_model()}", plot_path):
+        plot_path = None
+    record = {
+        "benchmark": "bench_transformer", "date": stamp.isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "device": {"type": "cpu", "name": cpu_model(), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+                   "loadavg_before": load_before, "loadavg_after": load_after},
+        "versions": versions(), "config": config_record(args, model, clips, resolved, impl),
+        "results": results, "plot": None if plot_path is None else str(plot_path), "elapsed_s": time.time() - t0,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}" + (f" and {plot_path}" if plot_path else ""))
+    return 1 if any(r["check"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
