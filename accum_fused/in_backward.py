@@ -486,6 +486,8 @@ def take_grad(opt, p: Tensor) -> None:
         )
     mb.seen.add(p)
     p.grad = None
+    if p not in win.live or not mb.closing:  # (a closing pass conformed the live buffers as it began)
+        win.conform(opt, [p], closing=mb.closing)  # (a dtype or device changed since: the buffer follows)
     if mb.fold and not again:
         opt._update(opt._backend_for(p), opt._group_of[p], [p], [kernel_view(win.buffer(p))], weight_sum=mb.weight_sum,
                     clip_coef=None, grads=[kernel_view(grad)], weight=mb.weight, overwrite=p not in win.live,
@@ -499,8 +501,6 @@ def take_grad(opt, p: Tensor) -> None:
             return
     else:
         mb.added_to_live |= p not in mb.started
-        if not mb.closing:  # (a closing pass conformed every live buffer as it began)
-            win.conform(opt, [p], closing=False)
     wants_norm = mb.norms is not None and not again  # (a second gradient: measured again at closing)
     norm = win.accumulate_one(p, grad, mb.weight, opt._backend_for(p), mb.weight_sum if wants_norm else None)
     if wants_norm:

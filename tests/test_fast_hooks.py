@@ -170,3 +170,30 @@ def test_parameters_in_other_layouts_are_python_s(monkeypatch):
         opt.close()
     for a, c in zip(*results):
         assert torch.equal(a, c)
+
+
+def test_dtype_changes_between_passes(monkeypatch):
+    """model.double() in the middle of a window and model.float() between windows: the buffers
+    (live or stale) follow the parameters, with the extension's hooks as with Python's alone."""
+    results = []
+    for python_only in (False, True):
+        if python_only:
+            monkeypatch.setattr(in_backward.FastPath, "for_optimizer", staticmethod(lambda opt: None))
+        model = _model(torch.float32)
+        opt = _optimizer("AdamW", model.parameters(), accumulation_steps=K)
+        gen = torch.Generator().manual_seed(3)
+        for i in range(3 * K):
+            if i == K + 1:
+                model.double()
+            if i == 2 * K:
+                model.float()
+            dtype = next(model.parameters()).dtype
+            x = torch.randn(4, 7, generator=gen).to(dtype)
+            opt.backward(model(x).square().mean(), weight=float(2 + i % 2))  # (never 1: no adoption)
+            if i == K + 2:
+                assert all(opt._window.buffers[p].dtype == torch.float64 for p in model.parameters())
+        assert opt.update_count == 3
+        results.append([p.detach().clone() for p in model.parameters()])
+        opt.close()
+    for a, b in zip(*results):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
