@@ -462,6 +462,27 @@ def take_grad(opt, p: Tensor) -> None:
     if grad.is_sparse:
         raise RuntimeError(f"{type(opt).__name__}(in_backward=True) does not support sparse gradients; "
                            "use nn.Embedding(sparse=False)")
+    joined = _join_pass(opt, p)
+    if joined is not None:
+        p.grad = None
+        _add(opt, p, grad, *joined)
+
+
+def take_written(opt, p: Tensor, writer) -> bool:
+    """accum_fused.nn's fused Linear: ``p``'s gradient of this backward pass is never
+    materialised; ``writer.write(buffer, weight, overwrite)`` puts weight x gradient straight
+    into ``p``'s window buffer (the GEMM's output), taking the same path through the pass as a
+    gradient would. False: this backward is not a micro-batch of ``opt`` (the caller hands
+    autograd the gradient instead)."""
+    joined = _join_pass(opt, p)
+    if joined is not None:
+        _add(opt, p, writer, *joined)
+    return joined is not None
+
+
+def _join_pass(opt, p: Tensor) -> tuple[BackwardPass, bool] | None:
+    """The pass ``p``'s gradient belongs to (begun by this gradient when it is the first), and
+    whether ``p`` already had one in it; None when the gradient is not this optimizer's."""
     win = opt._window
     mb = win.backward_pass
     if mb is not None and mb.failed():
@@ -469,7 +490,7 @@ def take_grad(opt, p: Tensor) -> None:
         mb = None
     if mb is None:
         if win.backward_owned and not win.own_backward:
-            return  # not a micro-batch of this optimizer (a GAN's other loss): .grad stays, as torch leaves it
+            return None  # not a micro-batch of this optimizer (a GAN's other loss): .grad stays, as torch leaves it
         mb = begin_pass(opt)
         mb.ender = _queue_end(opt)
         if opt._fast_path is not None:
@@ -485,24 +506,37 @@ def take_grad(opt, p: Tensor) -> None:
             "checkpoint(use_reentrant=False), or set max_grad_norm without ranks"
         )
     mb.seen.add(p)
-    p.grad = None
+    return mb, again
+
+
+def _add(opt, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
+    """``p``'s gradient (a tensor, or a writer from take_written) into the pass's micro-batch."""
+    win = opt._window
+    written = not isinstance(grad, Tensor)
     if p not in win.live or not mb.closing:  # (a closing pass conformed the live buffers as it began)
         win.conform(opt, [p], closing=mb.closing)  # (a dtype or device changed since: the buffer follows)
-    if mb.fold and not again:
+    if mb.fold and not again and not written:
         opt._update(opt._backend_for(p), opt._group_of[p], [p], [kernel_view(win.buffer(p))], weight_sum=mb.weight_sum,
                     clip_coef=None, grads=[kernel_view(grad)], weight=mb.weight, overwrite=p not in win.live,
                     grad_scale=None)
         mb.done.add(p)
         return
+    # (A written gradient is not folded: its GEMM has written the buffer, which the update
+    # would read back anyway, so it waits for the update at the end of the pass with the
+    # window's other parameters; a fused Linear called twice per forward then gets both.)
     if p not in win.live:
         mb.started.add(p)  # a failed pass takes it back out
-        if _can_adopt(win, p, grad, mb.weight):
+        if not written and _can_adopt(win, p, grad, mb.weight):
             win.adopt(p, grad)
             return
     else:
         mb.added_to_live |= p not in mb.started
     wants_norm = mb.norms is not None and not again  # (a second gradient: measured again at closing)
-    norm = win.accumulate_one(p, grad, mb.weight, opt._backend_for(p), mb.weight_sum if wants_norm else None)
+    norm_weight_sum = mb.weight_sum if wants_norm else None
+    if written:
+        norm = win.write_one(p, grad, mb.weight, opt._backend_for(p), norm_weight_sum)
+    else:
+        norm = win.accumulate_one(p, grad, mb.weight, opt._backend_for(p), norm_weight_sum)
     if wants_norm:
         mb.norms[p] = norm
     elif mb.norms is not None:

@@ -80,9 +80,10 @@ class Window:
         self.backward_pass = None
         self.own_backward = False
         self.backward_owned = False
-        # Buffers that are autograd's own gradient tensors (in_backward zero-copy): dropped when
-        # the window closes, since the next window adopts fresh ones (resident 12 B/param for
-        # fp32 AdamW, as the native loop after zero_grad, instead of 16).
+        # Buffers that are autograd's own gradient tensors (in_backward zero-copy), or that a
+        # fused Linear's GEMM started (accum_fused.nn): dropped when the window closes, since the
+        # next window adopts or writes fresh ones (resident 12 B/param for fp32 AdamW, as the
+        # native loop after zero_grad, instead of 16).
         self.adopted: set[Tensor] = set()
 
     @property
@@ -238,6 +239,21 @@ class Window:
                                    overwrite=p not in self.live, norm_weight_sum=norm_weight_sum)
         self.live.add(p)
         return None if norms is None else norms[0]
+
+    def write_one(self, p: Tensor, writer, weight: float, backend=None,
+                  norm_weight_sum: float | None = None) -> Tensor | None:
+        """accum_fused.nn's fused Linear: ``writer`` puts weight x this micro-batch's gradient of
+        ``p`` straight into its buffer (overwriting a stale one). With ``norm_weight_sum``,
+        returns ||acc / norm_weight_sum|| (``backend``'s norm pass over the buffer)."""
+        buf = self.buffer(p)
+        overwrite = p not in self.live
+        writer.write(buf, weight, overwrite=overwrite)
+        if overwrite and self.sync is None:
+            self.adopted.add(p)  # let go when the window closes, as an adopted gradient is
+        self.live.add(p)
+        if norm_weight_sum is None:
+            return None
+        return backend.window_norms(buffers=[kernel_view(buf)], weight_sum=norm_weight_sum)[0]
 
     def join_ranks(self, sync) -> None:
         """The window's buffers move into ``sync``'s flat storage (a DDP module's group, taken

@@ -30,7 +30,8 @@ first mover rotates each round):
   fb_only  k x (forward + backward) with post-accumulate-grad hooks that set .grad = None, no
            optimizer: the floor the model itself costs (not a training loop)
 
-(mode_b_fused, mode_b with accum_fused.nn's fused Linear, is planned: see PLANNED below.)
+  mode_b_fused  mode_b with accum_fused.nn.fuse_linear_gradients(model, opt): every Linear's
+           weight gradient written by its GEMM into the window buffer (not in the default set)
 
 Reported per clip setting and contender: median ms/window and interquartile range, median of the
 per-round ratios to native and the ratio of medians, optimizer-side ms = median over rounds of
@@ -273,11 +274,21 @@ class FbOnly(Contender):
             handle.remove()
 
 
-CONTENDERS = {c.name: c for c in (Native, Plain, ModeA, ModeB, FbOnly)}
-# Hook for contenders not written yet. mode_b_fused: ModeB on a model whose nn.Linear layers are
-# accum_fused.nn's fused Linear (weights copied from the shared initial model): subclass ModeB,
-# override prepare(model) to swap the modules, register it in CONTENDERS and drop it from here.
-PLANNED = {"mode_b_fused": "mode_b with accum_fused.nn's fused Linear (accum_fused.nn is not written yet)"}
+class ModeBFused(ModeB):
+    """mode_b with accum_fused.nn.fuse_linear_gradients: every Linear's weight gradient is
+    written by its GEMM into the window buffer (the LM head's too, unless --tie)."""
+    name = "mode_b_fused"
+
+    def setup(self, backend, impl):
+        super().setup(backend, impl)
+        from accum_fused.nn import fuse_linear_gradients
+        tied = self.model.head.weight is self.model.tok.weight  # (--tie: a tied head is refused; fuse the blocks)
+        self.fused = fuse_linear_gradients(self.model.blocks if tied else self.model, self.opt)
+        self.label += f" + fuse_linear_gradients ({len(self.fused.fused)} Linear layers)"
+
+
+CONTENDERS = {c.name: c for c in (Native, Plain, ModeA, ModeB, ModeBFused, FbOnly)}
+PLANNED: dict[str, str] = {}  # contenders named but not written yet
 
 
 # ---------------------------------------------------------------------------------- timing

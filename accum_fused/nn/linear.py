@@ -1,0 +1,142 @@
+"""Linear weight gradients written by the GEMM straight into an optimizer's window buffer.
+
+Owns: ``fuse_linear_gradients(model, opt)``, which makes the ``nn.Linear`` layers of ``model``
+whose weights ``opt`` (``in_backward=True``) takes compute their weight gradient in backward as
+``buffer.addmm_(grad_out^T, input, alpha=w)`` (``beta=0`` on the window's first micro-batch:
+no zeroing pass) instead of materialising it for autograd to hand over: Megatron-LM's
+``gradient_accumulation_fusion``. The gradient then takes the same path through the backward
+pass as a hook's (in_backward.take_written): the same micro-batch, weight, clipping norms,
+failure handling and, on mode B's last micro-batch without clipping, the parameter's update
+right after its GEMM.
+
+Must not: change the buffers other than through the window (``Window.write_one`` calls the
+writer), or change a layer's forward result: input gradients and biases go through autograd as
+before.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import in_backward
+from ..layout import kernel_view
+
+
+class _WeightGradient:
+    """The weight gradient grad_out^T @ input of one Linear call, computed only when asked:
+    into a window buffer (``write``), or as a tensor for autograd (``tensor``)."""
+
+    def __init__(self, grad_out: Tensor, inp: Tensor, autocast_dtype: torch.dtype | None):
+        self.grad_out = grad_out.reshape(-1, grad_out.shape[-1])
+        self.inp = inp.reshape(-1, inp.shape[-1])
+        self.autocast_dtype = autocast_dtype
+
+    def write(self, buffer: Tensor, weight: float, overwrite: bool) -> None:
+        # fp32 GEMM into the fp32 buffer (bf16/fp16 operands widened: on CPU addmm has no
+        # low-precision inputs with an fp32 output; torch.addmm(out_dtype=) is CUDA-only).
+        g, x = self.grad_out.to(buffer.dtype), self.inp.to(buffer.dtype)
+        buffer.addmm_(g.t(), x, beta=0.0 if overwrite else 1.0, alpha=weight)
+
+    def tensor(self) -> Tensor:
+        """What nn.Linear's backward would give autograd (in the autocast dtype under autocast)."""
+        dtype = self.autocast_dtype or self.grad_out.dtype
+        return self.grad_out.to(dtype).t() @ self.inp.to(dtype)
+
+
+class _FusedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, owner: "_Fused") -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.owner = owner
+        device = x.device.type
+        ctx.autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            w = weight.to(ctx.autocast) if ctx.autocast is not None else weight
+            grad_x = grad_out @ w.to(grad_out.dtype)
+        if ctx.needs_input_grad[1]:
+            gradient = _WeightGradient(grad_out, x, ctx.autocast)
+            opt = ctx.owner.optimizer()
+            # The window knows the Parameter itself; a checkpoint's recomputation hands back a
+            # detached alias of it.
+            param = ctx.owner.module.weight
+            same = param is weight or (param.data_ptr() == weight.data_ptr() and param.shape == weight.shape)
+            with torch.no_grad():
+                taken = opt is not None and same and in_backward.take_written(opt, param, gradient)
+            if not taken:
+                grad_w = gradient.tensor()
+        if ctx.needs_input_grad[2]:
+            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+class _Fused:
+    """One fused layer: its optimizer (weakly) and its own forward, put back by ``remove``."""
+
+    def __init__(self, module: nn.Linear, opt) -> None:
+        self.module = module
+        self.optimizer = weakref.ref(opt)
+
+    def forward(self, x: Tensor) -> Tensor:
+        m = self.module
+        return _FusedLinear.apply(x, m.weight, m.bias, self)
+
+
+class FusedLinearHandle:
+    """What ``fuse_linear_gradients`` did: ``fused`` (the layers' names); ``remove()`` gives
+    them their own forward back."""
+
+    def __init__(self, fused: dict[str, _Fused]) -> None:
+        self._fused = fused
+        self.fused = list(fused)
+
+    def remove(self) -> None:
+        for f in self._fused.values():
+            if f.module.__dict__.get("forward") == f.forward:
+                del f.module.forward
+        self._fused.clear()
+
+
+def fuse_linear_gradients(model: nn.Module, opt) -> FusedLinearHandle:
+    """Route the weight gradients of ``model``'s ``nn.Linear`` layers straight into ``opt``'s
+    window buffers (see the module docstring). ``opt`` must take gradients inside backward
+    (``in_backward=True``: mode A or B) on one process; layers whose weight ``opt`` does not
+    hold keep their normal path. A weight tied to another module (an LM head sharing the
+    embedding) is refused: its other gradient would arrive through autograd after the GEMM's."""
+    if not getattr(opt, "in_backward", False):
+        raise ValueError(
+            "fuse_linear_gradients needs an optimizer with in_backward=True: the plain mode reads .grad after "
+            "backward, which a fused layer never materialises"
+        )
+    if opt._window.spans_ranks:
+        raise ValueError("fuse_linear_gradients does not support several processes (process_group, DDP, FSDP2) yet")
+    owned = set(opt._all_params())
+    users: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            users.setdefault(id(p), []).append(name or type(module).__name__)
+    fused = {}
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear or module.weight not in owned:
+            continue
+        tied = users[id(module.weight)]
+        if len(set(tied)) > 1:
+            raise ValueError(
+                f"the weight of {name!r} is shared with {sorted(set(tied) - {name})}: its other gradient would reach "
+                "the window after the fused one; untie it, or fuse the other layers only "
+                "(fuse_linear_gradients(submodule, opt))"
+            )
+        if kernel_view(module.weight) is not module.weight:
+            raise ValueError(f"{name!r} has a complex or DTensor weight: not supported by fuse_linear_gradients")
+        f = _Fused(module, opt)
+        module.forward = f.forward
+        fused[name] = f
+    return FusedLinearHandle(fused)

@@ -1,0 +1,191 @@
+"""accum_fused.nn.fuse_linear_gradients: Linear weight gradients written by the GEMM into the
+window buffers, against the unfused path (the same model and optimizer without it) on every
+backend, in mode A and mode B, with and without clipping, under checkpointing and autocast."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import accum_fused
+from accum_fused import in_backward
+from accum_fused.nn import fuse_linear_gradients
+
+K = 4
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(7, 16)
+        self.mid = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 5, bias=False)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x, ckpt=None):
+        h = torch.nn.functional.gelu(self.inp(x))
+        if ckpt is None:
+            h = self.mid(h)
+        else:
+            h = checkpoint(self.mid, h, use_reentrant=ckpt == "reentrant")
+        return self.out(self.norm(torch.nn.functional.gelu(h)))
+
+
+def _train(fuse, *, backend="cpp", mode="B", clip=None, ckpt=None, autocast=False, windows=3, stop_before=None):
+    torch.manual_seed(0)
+    model = Net()
+    k = K if mode == "B" else 1
+    opt = accum_fused.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, accumulation_steps=k,
+                            in_backward=True, backend=backend, max_grad_norm=clip)
+    handle = fuse_linear_gradients(model, opt) if fuse else None
+    gen = torch.Generator().manual_seed(1)
+    for i in range(windows * K):
+        if i == stop_before:
+            break
+        x = torch.randn(2, 3 + i % 3, 7, generator=gen)
+        if ckpt == "reentrant":
+            x.requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(x, ckpt).float().square().mean()
+        if mode == "B":
+            opt.backward(loss, weight=float(1 + i % 2))
+        else:
+            loss.backward()
+            if (i + 1) % K == 0:
+                opt.step()
+                opt.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+    buffers = {n: opt._window.buffers[p].clone() for n, p in model.named_parameters() if p in opt._window.live}
+    result = dict(params=[p.detach().clone() for p in model.parameters()], updates=opt.update_count,
+                  buffers=buffers, fused=None if handle is None else handle.fused)
+    opt.close()
+    return result
+
+
+def _close(a, b, rtol):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=rtol * y.abs().max().item())
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
+@pytest.mark.parametrize("mode", ["A", "B"])
+def test_fused_matches_the_unfused_path(backend, mode, clip):  # (backend: every one that loads, conftest)
+    fused = _train(True, backend=backend, mode=mode, clip=clip)
+    plain = _train(False, backend=backend, mode=mode, clip=clip)
+    assert fused["fused"] == ["inp", "mid", "out"]
+    assert fused["updates"] == plain["updates"] == 3
+    _close(fused["params"], plain["params"], rtol=1e-5)  # the same sums up to summation order
+
+
+def test_the_weight_gradients_go_through_the_gemm(monkeypatch):
+    calls = []
+    take_written = in_backward.take_written
+
+    def counted(opt, p, writer):
+        calls.append(p.shape)
+        return take_written(opt, p, writer)
+    monkeypatch.setattr(in_backward, "take_written", counted)
+    _train(True, windows=1)
+    assert len(calls) == 3 * K  # three fused weights per backward pass
+    # Mid-window, the buffers hold the weighted sums the unfused path holds.
+    fused = _train(True, stop_before=K - 1, windows=1)
+    plain = _train(False, stop_before=K - 1, windows=1)
+    assert fused["buffers"].keys() == plain["buffers"].keys()
+    for name, buf in plain["buffers"].items():
+        torch.testing.assert_close(fused["buffers"][name], buf, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("ckpt", ["non-reentrant", "reentrant"])
+def test_checkpointed_layers(ckpt):
+    fused = _train(True, ckpt=ckpt, clip=1.0)
+    plain = _train(False, ckpt=ckpt, clip=1.0)
+    _close(fused["params"], plain["params"], rtol=1e-5)
+
+
+def test_autocast_bf16():
+    """Under bf16 autocast the fused GEMM accumulates in fp32 from the bf16 operands (the
+    unfused path rounds each weight gradient to bf16 first): the window's sums agree to bf16
+    precision."""
+    fused = _train(True, autocast=True, stop_before=K - 1, windows=1)
+    plain = _train(False, autocast=True, stop_before=K - 1, windows=1)
+    for name, buf in plain["buffers"].items():
+        torch.testing.assert_close(fused["buffers"][name], buf, rtol=2e-2, atol=2e-2 * buf.abs().max().item())
+
+
+def test_refusals():
+    model = Net()
+    with pytest.raises(ValueError, match="in_backward=True"):
+        fuse_linear_gradients(model, accum_fused.AdamW(model.parameters(), accumulation_steps=K))
+    tied = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    tied[1].weight = tied[0].weight
+    opt = accum_fused.AdamW(tied.parameters(), accumulation_steps=K, in_backward=True)
+    with pytest.raises(ValueError, match="shared with"):
+        fuse_linear_gradients(tied, opt)
+    opt.close()
+
+
+def test_remove_gives_the_layers_their_forward_back():
+    model = Net()
+    opt = accum_fused.AdamW(model.parameters(), accumulation_steps=K, in_backward=True)
+    handle = fuse_linear_gradients(model, opt)
+    assert "forward" in model.mid.__dict__
+    handle.remove()
+    assert "forward" not in model.mid.__dict__ and handle.fused == ["inp", "mid", "out"]
+    opt.close()
+
+
+def test_a_foreign_backward_leaves_grad_as_torch_does():
+    """Once opt.backward is used, another backward through the model (a GAN's other loss) is
+    not a micro-batch: the fused layers hand autograd their weight gradient, into .grad."""
+    model = Net()
+    opt = accum_fused.AdamW(model.parameters(), accumulation_steps=K, in_backward=True)
+    fuse_linear_gradients(model, opt)
+    x = torch.randn(3, 7)
+    opt.backward(model(x).square().mean())
+    model(x).sum().backward()
+    reference = Net()
+    reference.load_state_dict(model.state_dict())
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert opt.micro_step == 1
+    opt.close()
+
+
+def test_a_fused_layer_called_twice():
+    """Its weight gets two gradients per pass, summed into the window like autograd sums them,
+    also in mode B's last micro-batch without clipping (a written gradient waits for the update
+    at the end of the pass)."""
+    for clip in (1.0, None):
+        torch.manual_seed(0)
+        layer = nn.Linear(5, 5)
+        reference = nn.Linear(5, 5)
+        reference.load_state_dict(layer.state_dict())
+        opt = accum_fused.AdamW(layer.parameters(), accumulation_steps=2, in_backward=True, max_grad_norm=clip)
+        ref_opt = accum_fused.AdamW(reference.parameters(), accumulation_steps=2, max_grad_norm=clip)
+        fuse_linear_gradients(layer, opt)
+        x = torch.randn(3, 5)
+        for _ in range(4):
+            opt.backward(layer(layer(x)).square().mean())
+            reference(reference(x)).square().mean().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        assert opt.update_count == ref_opt.update_count == 2
+        for p, q in zip(layer.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        opt.close()
+
+
+def test_memory_between_windows_is_the_native_loops():
+    """A buffer a GEMM started is let go when its window closes (as an adopted gradient is):
+    between windows mode B holds parameters and state only."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = accum_fused.AdamW(model.parameters(), accumulation_steps=K, in_backward=True)
+    fuse_linear_gradients(model, opt)
+    for _ in range(K):
+        opt.backward(model(torch.randn(3, 7)).square().mean(), weight=2.0)  # (weight 2: nothing adopted)
+    assert opt.update_count == 1
+    assert not any(p in opt._window.buffers for p in (model.inp.weight, model.mid.weight, model.out.weight))
+    opt.close()
