@@ -189,3 +189,36 @@ def test_memory_between_windows_is_the_native_loops():
     assert opt.update_count == 1
     assert not any(p in opt._window.buffers for p in (model.inp.weight, model.mid.weight, model.out.weight))
     opt.close()
+
+
+def test_a_failed_backward_with_fused_layers():
+    """A backward that raises after fused layers wrote into the window's sums discards the
+    window with a warning, as with hooks alone, and training goes on as the unfused path's."""
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("simulated out of memory")
+
+    results = []
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        model = Net()
+        opt = accum_fused.AdamW(model.parameters(), accumulation_steps=K, in_backward=True)
+        if fuse:
+            fuse_linear_gradients(model, opt)
+        x = torch.randn(3, 7)
+        opt.backward(model(x).square().mean(), weight=2.0)
+        h = Boom.apply(torch.nn.functional.gelu(model.inp(x)))  # the last layers' gradients arrive first
+        with pytest.warns(RuntimeWarning, match="discarded"), pytest.raises(RuntimeError, match="simulated"):
+            opt.backward(model.out(model.norm(model.mid(h))).square().mean(), weight=2.0)
+        assert opt.micro_step == 0
+        for _ in range(K):
+            opt.backward(model(x).square().mean())
+        assert opt.update_count == 1
+        results.append([p.detach().clone() for p in model.parameters()])
+        opt.close()
+    _close(results[0], results[1], rtol=1e-5)
