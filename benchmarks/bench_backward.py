@@ -62,7 +62,7 @@ try:
 except ImportError:  # not installed: run against the checkout this script lives in
     sys.path.insert(0, str(HERE.parent))
     import accum_fused
-from accum_fused.bench import cpu_model, native_adamw_impl  # noqa: E402  (shared with bench_window)
+from accum_fused.bench import cpu_model, loadavg, minor_page_faults, native_adamw_impl  # noqa: E402  (shared)
 
 LR, WEIGHT_DECAY = 1e-3, 1e-2
 
@@ -175,14 +175,6 @@ class Contender:
         return None
 
 
-def _minor_faults() -> int:
-    try:
-        import resource
-    except ImportError:  # (Windows)
-        return 0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
 def time_case(args, init, coefs, clip, impl) -> dict:
     contenders = [Contender(name, init, coefs, args.k, clip, args.backend, impl) for name in args.contenders]
     n = len(contenders)
@@ -193,13 +185,13 @@ def time_case(args, init, coefs, clip, impl) -> dict:
     try:
         for r in range(args.warmup + args.repeats):
             for c in contenders[r % n:] + contenders[:r % n]:
-                f0 = _minor_faults()
+                f0 = minor_page_faults()
                 t0 = time.perf_counter()
                 c.window()
                 ms = (time.perf_counter() - t0) * 1e3
                 if r >= args.warmup:
                     times[c.name].append(ms)
-                    faults[c.name].append(_minor_faults() - f0)
+                    faults[c.name].append(minor_page_faults() - f0)
     finally:
         gc.enable()
     windows = args.warmup + args.repeats
@@ -269,7 +261,7 @@ def main(argv=None) -> int:
     impl = native_adamw_impl(torch.device("cpu"), torch.float32)
     resolved = accum_fused.backends.resolve(args.backend, torch.device("cpu"), torch.float32)
     clips = {"both": [args.max_grad_norm, None], "on": [args.max_grad_norm], "off": [None]}[args.clip]
-    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    load_before = loadavg()
     print(f"{shape_name}: {numel:,} fp32 params in {len(shapes)} tensors, k={args.k}, threads "
           f"{torch.get_num_threads()}, backend {args.backend} -> {getattr(resolved, '__name__', resolved)}, "
           f"{args.warmup} warm-up + {args.repeats} timed windows, load average {load_before}", flush=True)
@@ -278,7 +270,7 @@ def main(argv=None) -> int:
     for clip in clips:
         results += time_case(args, init, coefs, clip, impl)
         print(f"  clip {clip}: done ({time.time() - t0:.0f}s)", flush=True)
-    load_after = os.getloadavg() if hasattr(os, "getloadavg") else None
+    load_after = loadavg()
 
     header = ["clip", "contender", "ms/window (median)", "IQR ms", "ratio vs native (median of rounds)",
               "ratio of medians", "optimizer-side ms (- fb_only)", "optimizer-side ratio",

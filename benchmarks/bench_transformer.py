@@ -78,7 +78,8 @@ try:
 except ImportError:  # not installed: run against the checkout this script lives in
     sys.path.insert(0, str(HERE.parent))
     import accum_fused
-from accum_fused.bench import cpu_model, held_tensor_bytes, native_adamw_impl, versions  # noqa: E402
+from accum_fused.bench import (cpu_model, held_tensor_bytes, loadavg, minor_page_faults,  # noqa: E402
+                               native_adamw_impl, versions)
 
 LR, WEIGHT_DECAY = 3e-4, 0.1
 # An AdamW update moves a parameter by about lr per window; trajectories this far apart are not
@@ -292,14 +293,6 @@ PLANNED: dict[str, str] = {}  # contenders named but not written yet
 
 
 # ---------------------------------------------------------------------------------- timing
-def _minor_faults() -> int:
-    try:
-        import resource
-    except ImportError:  # (Windows)
-        return 0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
 def run_rounds(contenders: list[Contender], batches, warmup: int) -> tuple[dict, dict]:
     """One window per contender per round, first mover rotating; rounds after warm-up are timed."""
     n = len(contenders)
@@ -310,13 +303,13 @@ def run_rounds(contenders: list[Contender], batches, warmup: int) -> tuple[dict,
     try:
         for r, window_batches in enumerate(batches):
             for c in contenders[r % n:] + contenders[:r % n]:
-                f0 = _minor_faults()
+                f0 = minor_page_faults()
                 t0 = time.perf_counter()
                 c.window(window_batches)
                 ms = (time.perf_counter() - t0) * 1e3
                 if r >= warmup:
                     times[c.name].append(ms)
-                    faults[c.name].append(_minor_faults() - f0)
+                    faults[c.name].append(minor_page_faults() - f0)
     finally:
         gc.enable()
     return times, faults
@@ -502,7 +495,7 @@ def main(argv=None) -> int:
     resolved = accum_fused.backends.resolve(args.backend, torch.device("cpu"), torch.float32)
     resolved = getattr(resolved, "__name__", str(resolved))
     clips = {"both": [1.0, None], "on": [1.0], "off": [None]}[args.clip]
-    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    load_before = loadavg()
     print(f"GPT {args.layers} layers, d {args.d_model}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, "
           f"qkv {args.qkv}, {'tied' if args.tie else 'untied'} head: {numel:,} fp32 params in {tensors} tensors; "
           f"k={args.k} x {args.micro_batch} sequences, threads {torch.get_num_threads()}, backend {args.backend} -> "
@@ -513,7 +506,7 @@ def main(argv=None) -> int:
     for clip in clips:
         results += time_case(args, model, batches, clip, impl)
         print(f"  clip {clip}: done ({time.time() - t0:.0f}s)", flush=True)
-    load_after = os.getloadavg() if hasattr(os, "getloadavg") else None
+    load_after = loadavg()
     print_table(results)
     print(f"\nload average before {load_before}, after {load_after} ({os.cpu_count()} CPUs)")
     stamp = _dt.datetime.now()

@@ -287,3 +287,15 @@ def finished_apart_from_gloo_exit_abort(proc, done_marker: str, ranks: int = 2) 
     rank_tracebacks = proc.stderr.count("Traceback") - proc.stderr.count("errors.ChildFailedError")
     return (proc.stdout.count(done_marker) >= ranks and rank_tracebacks <= 0
             and "terminate called without an active exception" in proc.stderr)
+
+
+class RaisingBackward(torch.autograd.Function):
+    """Identity whose backward raises (a caught out-of-memory error midway through backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("simulated out of memory")

@@ -12,9 +12,16 @@ from torch.utils.checkpoint import checkpoint
 import accum_fused
 from accum_fused import in_backward
 
+from _helpers import RaisingBackward
+
 pytestmark = pytest.mark.skipif("cpp" not in accum_fused.available_backends(), reason="needs the extension")
 
 K = 4
+
+
+def _python_hooks_only(monkeypatch) -> None:
+    """The control: optimizers built from now on register Python's hooks alone."""
+    monkeypatch.setattr(in_backward.FastPath, "for_optimizer", staticmethod(lambda opt: None))
 
 
 def _model(dtype, seed=0):
@@ -31,7 +38,7 @@ def _optimizer(name, params, **kw):
 def _train(python_only, monkeypatch, *, dtype, mode, clip, name="AdamW", windows=3, step_fn=None, grads_per_pass=6):
     """Train a fresh model; returns (parameters, gradients the extension took)."""
     if python_only:
-        monkeypatch.setattr(in_backward.FastPath, "for_optimizer", staticmethod(lambda opt: None))
+        _python_hooks_only(monkeypatch)
     else:
         monkeypatch.undo()
     python_calls = [0]
@@ -97,16 +104,6 @@ def test_second_gradient_and_reentrant_checkpoint_go_to_python(monkeypatch):
         assert torch.equal(a, b)
 
 
-class _Boom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        raise RuntimeError("simulated out of memory")
-
-
 @pytest.mark.parametrize("closing", [False, True], ids=["middle-pass", "updating-pass"])
 def test_failed_pass_after_the_extension_took_gradients(monkeypatch, closing):
     """A backward that raises after the extension added gradients into the window's sums (or,
@@ -115,7 +112,7 @@ def test_failed_pass_after_the_extension_took_gradients(monkeypatch, closing):
     results = []
     for python_only in (False, True):
         if python_only:
-            monkeypatch.setattr(in_backward.FastPath, "for_optimizer", staticmethod(lambda opt: None))
+            _python_hooks_only(monkeypatch)
         model = _model(torch.float32)
         opt = _optimizer("AdamW", model.parameters(), accumulation_steps=K)
         x = torch.randn(4, 7)
@@ -125,7 +122,7 @@ def test_failed_pass_after_the_extension_took_gradients(monkeypatch, closing):
         # first layer's input path raises.
         lost = "updated inside it" if closing else "adding gradients to the window's sums"
         with pytest.warns(RuntimeWarning, match=lost), pytest.raises(RuntimeError, match="simulated"):
-            opt.backward(model[2:](_Boom.apply(model[:2](x))).square().mean(), weight=2.0)
+            opt.backward(model[2:](RaisingBackward.apply(model[:2](x))).square().mean(), weight=2.0)
         if not python_only:
             assert opt._fast_path.state.taken > 0 and not opt._fast_path.state.armed
         assert opt.micro_step == 0
@@ -156,7 +153,7 @@ def test_parameters_in_other_layouts_are_python_s(monkeypatch):
     results = []
     for python_only in (False, True):
         if python_only:
-            monkeypatch.setattr(in_backward.FastPath, "for_optimizer", staticmethod(lambda opt: None))
+            _python_hooks_only(monkeypatch)
         torch.manual_seed(0)
         w = nn.Parameter(torch.randn(9, 7).t())  # 7 x 9, strides (1, 7)
         b = nn.Parameter(torch.randn(9))
@@ -178,7 +175,7 @@ def test_dtype_changes_between_passes(monkeypatch):
     results = []
     for python_only in (False, True):
         if python_only:
-            monkeypatch.setattr(in_backward.FastPath, "for_optimizer", staticmethod(lambda opt: None))
+            _python_hooks_only(monkeypatch)
         model = _model(torch.float32)
         opt = _optimizer("AdamW", model.parameters(), accumulation_steps=K)
         gen = torch.Generator().manual_seed(3)

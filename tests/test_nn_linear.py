@@ -12,6 +12,8 @@ import accum_fused
 from accum_fused import in_backward
 from accum_fused.nn import fuse_linear_gradients
 
+from _helpers import RaisingBackward
+
 K = 4
 
 
@@ -194,15 +196,6 @@ def test_memory_between_windows_is_the_native_loops():
 def test_a_failed_backward_with_fused_layers():
     """A backward that raises after fused layers wrote into the window's sums discards the
     window with a warning, as with hooks alone, and training goes on as the unfused path's."""
-    class Boom(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            raise RuntimeError("simulated out of memory")
-
     results = []
     for fuse in (True, False):
         torch.manual_seed(0)
@@ -212,7 +205,7 @@ def test_a_failed_backward_with_fused_layers():
             fuse_linear_gradients(model, opt)
         x = torch.randn(3, 7)
         opt.backward(model(x).square().mean(), weight=2.0)
-        h = Boom.apply(torch.nn.functional.gelu(model.inp(x)))  # the last layers' gradients arrive first
+        h = RaisingBackward.apply(torch.nn.functional.gelu(model.inp(x)))  # the last layers' gradients arrive first
         with pytest.warns(RuntimeWarning, match="discarded"), pytest.raises(RuntimeError, match="simulated"):
             opt.backward(model.out(model.norm(model.mid(h))).square().mean(), weight=2.0)
         assert opt.micro_step == 0

@@ -74,8 +74,8 @@ from .cli import (DEFAULTS, MEASUREMENT_KEYS, RECORD_KEYS, SCHEMA_VERSION, add_b
                   split_names, window_main, window_parse_args)
 from .measure import (LR, PACKAGE_DIR, WEIGHT_DECAY, AccumFused, Native, Timer, available_memory,
                       bandwidth_probes, cpu_model, git_commit, held_tensor_bytes, loadavg, make_tensors,
-                      native_adamw_impl, pick_backends, quantiles, resolve_device, summarise, time_contenders,
-                      versions)
+                      minor_page_faults, native_adamw_impl, pick_backends, quantiles, resolve_device, summarise,
+                      time_contenders, versions)
 from .model import DTYPES, SHAPE_SETS, bytes_per_param, memory_needed, parse_size, shape_set, size_label
 
 # What benchmarks/*.py, tests/test_cli.py and __main__.py use as accum_fused.bench.<name>.
@@ -84,8 +84,8 @@ __all__ = [
     "bench_main", "default_output_dir", "format_table", "plan_grad_sets", "plot_bench", "run_bench",
     "split_names", "window_main", "window_parse_args", "LR", "PACKAGE_DIR", "WEIGHT_DECAY",
     "AccumFused", "Native", "Timer", "available_memory", "bandwidth_probes", "cpu_model",
-    "git_commit", "held_tensor_bytes", "loadavg", "make_tensors", "native_adamw_impl",
-    "pick_backends", "quantiles", "resolve_device", "summarise", "time_contenders", "versions",
+    "git_commit", "held_tensor_bytes", "loadavg", "make_tensors", "minor_page_faults",
+    "native_adamw_impl", "pick_backends", "quantiles", "resolve_device", "summarise", "time_contenders", "versions",
     "DTYPES", "SHAPE_SETS", "bytes_per_param", "memory_needed", "parse_size", "shape_set",
     "size_label",
 ]

@@ -291,6 +291,15 @@ def versions() -> dict:
 def loadavg():
     return os.getloadavg() if hasattr(os, "getloadavg") else None
 
+def minor_page_faults() -> int:
+    """This process's minor page faults so far (0 where getrusage does not exist): fresh
+    memory mapped in and zeroed, e.g. gradient storage freed and re-allocated."""
+    try:
+        import resource
+    except ImportError:  # (Windows)
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
 def quantiles(xs: list[float]) -> tuple[float, float]:
     if len(xs) < 2:
         return xs[0], xs[0]
