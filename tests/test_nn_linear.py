@@ -215,3 +215,39 @@ def test_a_failed_backward_with_fused_layers():
         results.append([p.detach().clone() for p in model.parameters()])
         opt.close()
     _close(results[0], results[1], rtol=1e-5)
+
+
+def test_misuse_is_refused_before_anything_changes():
+    model = Net()
+    opt = accum_fused.AdamW(model.parameters(), accumulation_steps=K, in_backward=True)
+    other = accum_fused.AdamW(Net().parameters(), accumulation_steps=K, in_backward=True)
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        fuse_linear_gradients(model, other)  # the optimizer of another model
+    assert "forward" not in model.mid.__dict__
+    handle = fuse_linear_gradients(model, opt)
+    with pytest.raises(ValueError, match="fused already"):
+        fuse_linear_gradients(model, opt)
+    handle.remove()
+    other.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        fuse_linear_gradients(model, other)
+    opt.close()
+
+
+def test_after_close_the_gradients_land_in_grad():
+    """close() gives .grad back (as for a model without fused layers): the fused layers hand
+    autograd their weight gradients once their optimizer is closed (mode A: every backward
+    would otherwise be one of its micro-batches)."""
+    model = Net()
+    opt = accum_fused.AdamW(model.parameters(), in_backward=True)
+    fuse_linear_gradients(model, opt)
+    x = torch.randn(3, 7)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.close()
+    model(x).sum().backward()
+    reference = Net()
+    reference.load_state_dict(model.state_dict())
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)

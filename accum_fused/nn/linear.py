@@ -69,8 +69,11 @@ class _FusedLinear(torch.autograd.Function):
             # detached alias of it.
             param = ctx.owner.module.weight
             same = param is weight or (param.data_ptr() == weight.data_ptr() and param.shape == weight.shape)
+            # A collected or closed optimizer takes nothing: the gradient lands in .grad, as
+            # after close() without fused layers.
+            live = opt is not None and not opt._closed
             with torch.no_grad():
-                taken = opt is not None and same and in_backward.take_written(opt, param, gradient)
+                taken = live and same and in_backward.take_written(opt, param, gradient)
             if not taken:
                 grad_w = gradient.tensor()
         if ctx.needs_input_grad[2]:
@@ -109,13 +112,16 @@ def fuse_linear_gradients(model: nn.Module, opt) -> FusedLinearHandle:
     """Route the weight gradients of ``model``'s ``nn.Linear`` layers straight into ``opt``'s
     window buffers (see the module docstring). ``opt`` must take gradients inside backward
     (``in_backward=True``: mode A or B) on one process; layers whose weight ``opt`` does not
-    hold keep their normal path. A weight tied to another module (an LM head sharing the
-    embedding) is refused: its other gradient would arrive through autograd after the GEMM's."""
+    hold, and subclasses of nn.Linear (MultiheadAttention's out_proj is used without its
+    forward), keep their normal path. A weight tied to another module (an LM head sharing the
+    embedding) is refused: its other gradient would arrive through autograd after the GEMM's.
+    After ``opt.close()`` (or when it is collected) the layers hand autograd their gradients."""
     if not getattr(opt, "in_backward", False):
         raise ValueError(
             "fuse_linear_gradients needs an optimizer with in_backward=True: the plain mode reads .grad after "
             "backward, which a fused layer never materialises"
         )
+    opt._check_open("fuse_linear_gradients")
     if opt._window.spans_ranks:
         raise ValueError("fuse_linear_gradients does not support several processes (process_group, DDP, FSDP2) yet")
     owned = set(opt._all_params())
@@ -136,7 +142,14 @@ def fuse_linear_gradients(model: nn.Module, opt) -> FusedLinearHandle:
             )
         if kernel_view(module.weight) is not module.weight:
             raise ValueError(f"{name!r} has a complex or DTensor weight: not supported by fuse_linear_gradients")
-        f = _Fused(module, opt)
-        module.forward = f.forward
-        fused[name] = f
+        if isinstance(getattr(module.forward, "__self__", None), _Fused):
+            raise ValueError(f"{name!r} is fused already: call the earlier handle's remove() first")
+        fused[name] = _Fused(module, opt)
+    if not fused:
+        raise ValueError(
+            f"no nn.Linear of this {type(model).__name__} has its weight in this {type(opt).__name__}: pass the "
+            "model whose parameters the optimizer was built with (subclasses of nn.Linear keep their own path)"
+        )
+    for f in fused.values():  # (after every check: a refused call changes nothing)
+        f.module.forward = f.forward
     return FusedLinearHandle(fused)
