@@ -7,12 +7,15 @@ which live optimizer takes each parameter's gradients (a second one, or a foreig
 the autograd engine, carried to the outer backward when nested, settled when it failed), mode A
 (the caller's loop owns the window: backward passes are summed, ``step()`` applies) and mode B
 (one backward = one micro-batch, the k-th applies the update inside backward), adopting
-autograd's fresh gradient as the buffer, and the trigger of the overlapped bucketed reduction
-(``sync.grad_ready``).
+autograd's fresh gradient as the buffer, the trigger of the overlapped bucketed reduction
+(``sync.grad_ready``), the extension's hooks (``FastPath``, csrc/hooks.cpp: armed per pass by the
+Python hook, which stays the spec) and the gradients accum_fused.nn writes without
+materialising them (``take_written``).
 
 Must not: change the window's buffers or counters itself: a micro-batch begins, its gradients
 go in and it ends (closing the window on its last) through the window's verbs
-(``begin_micro_batch``, ``accumulate_one``, ``adopt``, ``finish_micro_batch``); it only reads
+(``begin_micro_batch``, ``accumulate_one``, ``write_one``, ``adopt``, ``mark_written``,
+``finish_micro_batch``); it only reads
 whether a parameter is live, and keeps its own records on the window (``pending_weight``, the
 weight opt.backward gives its pass; ``backward_pass``). The update math of a folded parameter
 is the optimizer's ``_update``.
@@ -200,7 +203,7 @@ class FastPath:
                 if mode == _ADOPT:
                     win.adopt(p, grad)
                 else:
-                    win.live.add(p)
+                    win.mark_written(p)
             if norm is not None:
                 mb.norms[p] = norm
 

@@ -6,9 +6,10 @@ parameters are live, the micro-batch count, the weight total and its band, the f
 the counters ``micro_step`` / ``updated`` / ``update_count`` / ``last_grad_norm`` that the
 optimizer's properties read, and the cross-rank reducer the buffers belong to (``sync``:
 replicas, ``shards``: FSDP2). Its verbs: ``add_micro_batch`` (a whole micro-batch, from step()),
-``begin_micro_batch`` / ``accumulate_one`` / ``adopt`` / ``finish_micro_batch`` (one arriving
-parameter at a time, from in_backward.py's hooks), ``close`` (sync -> found-inf -> clip ->
-update, for plain, synchronised and sharded windows alike), ``discard``.
+``begin_micro_batch`` / ``accumulate_one`` / ``write_one`` / ``adopt`` / ``mark_written`` /
+``finish_micro_batch`` (one arriving parameter at a time, from in_backward.py's hooks),
+``close`` (sync -> found-inf -> clip -> update, for plain, synchronised and sharded windows
+alike), ``discard``.
 
 Must not: read ``.grad`` or touch hooks (the optimizer and in_backward.py hand gradients in),
 or do per-element math (backends do). It asks its optimizer, passed to the verbs that need it,
@@ -264,6 +265,11 @@ class Window:
         self.buffers = sync.buffers
         self.adopted.clear()
         self.sync = sync
+
+    def mark_written(self, p: Tensor) -> None:
+        """The extension's hooks overwrote ``p``'s stale buffer with its first gradient of the
+        window (in_backward.FastPath): the buffer is live."""
+        self.live.add(p)
 
     def adopt(self, p: Tensor, grad: Tensor) -> None:
         """Zero-copy first micro-batch: autograd's fresh gradient becomes ``p``'s buffer."""
