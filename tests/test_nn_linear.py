@@ -80,16 +80,17 @@ def test_fused_matches_the_unfused_path(backend, mode, clip):  # (backend: every
     _close(fused["params"], plain["params"], rtol=1e-5)  # the same sums up to summation order
 
 
-def test_the_weight_gradients_go_through_the_gemm(monkeypatch):
+def test_the_weight_and_bias_gradients_go_through_the_gemm(monkeypatch):
     calls = []
     take_written = in_backward.take_written
 
     def counted(opt, p, writer):
-        calls.append(p.shape)
+        calls.append(tuple(p.shape))
         return take_written(opt, p, writer)
     monkeypatch.setattr(in_backward, "take_written", counted)
     _train(True, windows=1)
-    assert len(calls) == 3 * K  # three fused weights per backward pass
+    # three fused weights and two biases (`out` has none) per backward pass
+    assert sorted(calls) == sorted([(16, 7), (16,), (16, 16), (16,), (5, 16)] * K)
     # Mid-window, the buffers hold the weighted sums the unfused path holds.
     fused = _train(True, stop_before=K - 1, windows=1)
     plain = _train(False, stop_before=K - 1, windows=1)
@@ -251,3 +252,41 @@ def test_after_close_the_gradients_land_in_grad():
     reference(x).sum().backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_a_bias_the_optimizer_does_not_hold_keeps_its_path():
+    torch.manual_seed(0)
+    model = Net()
+    reference = Net()
+    reference.load_state_dict(model.state_dict())
+    held = [p for n, p in model.named_parameters() if n != "inp.bias"]
+    opt = accum_fused.AdamW(held, lr=1e-2, accumulation_steps=K, in_backward=True)
+    handle = fuse_linear_gradients(model, opt)
+    x = torch.randn(3, 7)
+    opt.backward(model(x).square().mean())
+    reference(x).square().mean().backward()
+    assert handle.fused == ["inp", "mid", "out"]
+    assert model.inp.weight.grad is None and model.mid.bias.grad is None  # taken by the window
+    torch.testing.assert_close(model.inp.bias.grad, reference.inp.bias.grad, rtol=0, atol=0)
+    opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_cuda_gemm_takes_low_precision_operands_with_an_fp32_output(dtype):
+    # torch.addmm(out_dtype=) has no CPU kernel; its meta kernel checks the call (dtypes, shapes,
+    # out=) that the CUDA path makes.
+    from accum_fused.nn.linear import _gemm_into
+    calls = []
+    real_addmm = torch.addmm
+
+    def addmm(*args, **kwargs):
+        calls.append(kwargs.get("out_dtype"))
+        return real_addmm(*args, **kwargs)
+    buffer = torch.empty(3, 4, device="meta")
+    a, b = torch.empty(3, 5, dtype=dtype, device="meta"), torch.empty(5, 4, dtype=dtype, device="meta")
+    try:
+        torch.addmm = addmm
+        _gemm_into(buffer, a, b, beta=0.0, alpha=0.5, native_out_dtype=True)
+    finally:
+        torch.addmm = real_addmm
+    assert calls == [torch.float32] and buffer.dtype == torch.float32

@@ -1,17 +1,19 @@
-"""Linear weight gradients written by the GEMM straight into an optimizer's window buffer.
+"""Linear weight (and bias) gradients written straight into an optimizer's window buffers.
 
 Owns: ``fuse_linear_gradients(model, opt)``, which makes the ``nn.Linear`` layers of ``model``
 whose weights ``opt`` (``in_backward=True``) takes compute their weight gradient in backward as
 ``buffer.addmm_(grad_out^T, input, alpha=w)`` (``beta=0`` on the window's first micro-batch:
 no zeroing pass) instead of materialising it for autograd to hand over: Megatron-LM's
-``gradient_accumulation_fusion``. The gradient then takes the same path through the backward
+``gradient_accumulation_fusion``; on CUDA bf16/fp16 operands go to the GEMM as they are, with an
+fp32 output (``torch.addmm(out_dtype=)``). The bias gradient (grad_out summed over the rows) is
+summed in fp32 into its buffer the same way. The gradient then takes the same path through the backward
 pass as a hook's (in_backward.take_written): the same micro-batch, weight, clipping norms,
 failure handling and, on mode B's last micro-batch without clipping, the parameter's update
 right after its GEMM.
 
 Must not: change the buffers other than through the window (``Window.write_one`` calls the
-writer), or change a layer's forward result: input gradients and biases go through autograd as
-before.
+writer), or change a layer's forward result: input gradients go through autograd as before, and
+so does a bias the optimizer does not hold or another module shares.
 """
 from __future__ import annotations
 
@@ -25,6 +27,20 @@ from .. import in_backward
 from ..layout import kernel_view
 
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _gemm_into(buffer: Tensor, a: Tensor, b: Tensor, beta: float, alpha: float, native_out_dtype: bool) -> None:
+    """buffer <- beta * buffer + alpha * (a @ b), in the buffer's fp32. ``native_out_dtype``
+    (CUDA): bf16/fp16 operands go to the GEMM as they are, accumulating into an fp32 output
+    (torch.addmm(out_dtype=), CUDA-only in torch); elsewhere they are widened first (on CPU
+    addmm has no low-precision inputs with an fp32 output)."""
+    if native_out_dtype and a.dtype in _LOW_PRECISION and b.dtype == a.dtype:
+        torch.addmm(buffer, a, b, out_dtype=buffer.dtype, beta=beta, alpha=alpha, out=buffer)
+    else:
+        buffer.addmm_(a.to(buffer.dtype), b.to(buffer.dtype), beta=beta, alpha=alpha)
+
+
 class _WeightGradient:
     """The weight gradient grad_out^T @ input of one Linear call, computed only when asked:
     into a window buffer (``write``), or as a tensor for autograd (``tensor``)."""
@@ -35,10 +51,10 @@ class _WeightGradient:
         self.autocast_dtype = autocast_dtype
 
     def write(self, buffer: Tensor, weight: float, overwrite: bool) -> None:
-        # fp32 GEMM into the fp32 buffer (bf16/fp16 operands widened: on CPU addmm has no
-        # low-precision inputs with an fp32 output; torch.addmm(out_dtype=) is CUDA-only).
-        g, x = self.grad_out.to(buffer.dtype), self.inp.to(buffer.dtype)
-        buffer.addmm_(g.t(), x, beta=0.0 if overwrite else 1.0, alpha=weight)
+        g, x = self.grad_out, self.inp
+        if self.autocast_dtype is not None:  # the operands autocast's own GEMM would take
+            g, x = g.to(self.autocast_dtype), x.to(self.autocast_dtype)
+        _gemm_into(buffer, g.t(), x, beta=0.0 if overwrite else 1.0, alpha=weight, native_out_dtype=buffer.is_cuda)
 
     def tensor(self) -> Tensor:
         """What nn.Linear's backward would give autograd (in the autocast dtype under autocast)."""
@@ -46,10 +62,28 @@ class _WeightGradient:
         return self.grad_out.to(dtype).t() @ self.inp.to(dtype)
 
 
+class _BiasGradient:
+    """The bias gradient of one Linear call (grad_out summed over the rows), summed straight
+    in the buffer's fp32 when written."""
+
+    def __init__(self, grad_out: Tensor):
+        self.grad_out = grad_out.reshape(-1, grad_out.shape[-1])
+
+    def write(self, buffer: Tensor, weight: float, overwrite: bool) -> None:
+        total = self.grad_out.sum(0, dtype=buffer.dtype)
+        if overwrite:
+            torch.mul(total, weight, out=buffer)
+        else:
+            buffer.add_(total, alpha=weight)
+
+    def tensor(self) -> Tensor:
+        return self.grad_out.sum(0)
+
+
 class _FusedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, owner: "_Fused") -> Tensor:
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x, weight, bias)
         ctx.owner = owner
         device = x.device.type
         ctx.autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
@@ -57,40 +91,45 @@ class _FusedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        x, weight = ctx.saved_tensors
+        x, weight, bias = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             w = weight.to(ctx.autocast) if ctx.autocast is not None else weight
             grad_x = grad_out @ w.to(grad_out.dtype)
         if ctx.needs_input_grad[1]:
-            gradient = _WeightGradient(grad_out, x, ctx.autocast)
-            opt = ctx.owner.optimizer()
-            # The window knows the Parameter itself; a checkpoint's recomputation hands back a
-            # detached alias of it.
-            param = ctx.owner.module.weight
-            same = param is weight or (param.data_ptr() == weight.data_ptr() and param.shape == weight.shape)
-            # A collected or closed optimizer takes nothing: the gradient lands in .grad, as
-            # after close() without fused layers.
-            live = opt is not None and not opt._closed
-            with torch.no_grad():
-                taken = live and same and in_backward.take_written(opt, param, gradient)
-            if not taken:
-                grad_w = gradient.tensor()
+            grad_w = ctx.owner.take(ctx.owner.module.weight, weight, _WeightGradient(grad_out, x, ctx.autocast))
         if ctx.needs_input_grad[2]:
-            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+            gradient = _BiasGradient(grad_out)
+            grad_b = ctx.owner.take(ctx.owner.module.bias, bias, gradient) if ctx.owner.fuse_bias else gradient.tensor()
         return grad_x, grad_w, grad_b, None
 
 
 class _Fused:
     """One fused layer: its optimizer (weakly) and its own forward, put back by ``remove``."""
 
-    def __init__(self, module: nn.Linear, opt) -> None:
+    def __init__(self, module: nn.Linear, opt, fuse_bias: bool) -> None:
         self.module = module
         self.optimizer = weakref.ref(opt)
+        self.fuse_bias = fuse_bias
 
     def forward(self, x: Tensor) -> Tensor:
         m = self.module
         return _FusedLinear.apply(x, m.weight, m.bias, self)
+
+    def take(self, param: Tensor | None, saved: Tensor, gradient) -> Tensor | None:
+        """Hand ``gradient`` of ``param`` to the optimizer's window; what autograd gets instead
+        (None when the window took it). ``saved``: the tensor the forward saw, ``param`` itself
+        or, in a checkpoint's recomputation, a detached alias of it (the window knows the
+        Parameter)."""
+        opt = self.optimizer()
+        same = param is not None and (param is saved or (
+            param.data_ptr() == saved.data_ptr() and param.shape == saved.shape))
+        # A collected or closed optimizer takes nothing: the gradient lands in .grad, as after
+        # close() without fused layers.
+        live = opt is not None and not opt._closed
+        with torch.no_grad():
+            taken = live and same and in_backward.take_written(opt, param, gradient)
+        return None if taken else gradient.tensor()
 
 
 class FusedLinearHandle:
@@ -109,12 +148,13 @@ class FusedLinearHandle:
 
 
 def fuse_linear_gradients(model: nn.Module, opt) -> FusedLinearHandle:
-    """Route the weight gradients of ``model``'s ``nn.Linear`` layers straight into ``opt``'s
-    window buffers (see the module docstring). ``opt`` must take gradients inside backward
+    """Route the weight and bias gradients of ``model``'s ``nn.Linear`` layers straight into
+    ``opt``'s window buffers (see the module docstring). ``opt`` must take gradients inside backward
     (``in_backward=True``: mode A or B) on one process; layers whose weight ``opt`` does not
     hold, and subclasses of nn.Linear (MultiheadAttention's out_proj is used without its
     forward), keep their normal path. A weight tied to another module (an LM head sharing the
-    embedding) is refused: its other gradient would arrive through autograd after the GEMM's.
+    embedding) is refused: its other gradient would arrive through autograd after the GEMM's;
+    a bias ``opt`` does not hold, or one shared with another module, keeps its normal path.
     After ``opt.close()`` (or when it is collected) the layers hand autograd their gradients."""
     if not getattr(opt, "in_backward", False):
         raise ValueError(
@@ -144,7 +184,10 @@ def fuse_linear_gradients(model: nn.Module, opt) -> FusedLinearHandle:
             raise ValueError(f"{name!r} has a complex or DTensor weight: not supported by fuse_linear_gradients")
         if isinstance(getattr(module.forward, "__self__", None), _Fused):
             raise ValueError(f"{name!r} is fused already: call the earlier handle's remove() first")
-        fused[name] = _Fused(module, opt)
+        bias = module.bias
+        fuse_bias = (bias is not None and bias in owned and len(set(users[id(bias)])) == 1
+                     and kernel_view(bias) is bias)
+        fused[name] = _Fused(module, opt, fuse_bias)
     if not fused:
         raise ValueError(
             f"no nn.Linear of this {type(model).__name__} has its weight in this {type(opt).__name__}: pass the "
