@@ -229,6 +229,8 @@ class _FoldArgs:
         if not hasattr(opt, "_hyperparameters") or not state:
             return False
         group = opt._group_of[p]
+        if p.dtype == torch.bfloat16 and group.get("bf16_update", "nearest") != "nearest":
+            return False  # (rounding state and keys: Python's _update)
         hyper = self.hyperparameters.get(id(group))
         if hyper is None:
             hyper = self.hyperparameters[id(group)] = opt._hyperparameters(group)
@@ -440,7 +442,7 @@ def settle_failed_pass(opt) -> None:
         return
     if mb.done or mb.added_to_live:
         lost = win.micro_step
-        win.discard()
+        win.abandon(opt)
         how = (f"after {len(mb.done)} parameter(s) had been updated inside it" if mb.done
                else "after adding gradients to the window's sums")
         warnings.warn(

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from . import backends, checkpoint, distributed
 from .base import AccumulatingOptimizer
+from .backends.reference import BF16_UPDATES, hash32
 from .layout import kernel_view, like_param, state_dtype
 
 __all__ = ["SGD", "Adam", "AdamW", "GradientAccumulator"]
@@ -56,7 +57,90 @@ def _check_accumulation_args(accumulation_steps, max_grad_norm, backend, captura
         raise NotImplementedError("accum_fused optimizers do not implement differentiable=True")
 
 
-class SGD(AccumulatingOptimizer, torch.optim.SGD):
+def _check_bf16_update(param_group: dict[str, Any], default: str) -> None:
+    mode = param_group.get("bf16_update", default)
+    if mode not in BF16_UPDATES:
+        raise ValueError(f"bf16_update must be one of {', '.join(map(repr, BF16_UPDATES))}, got {mode!r}")
+    params = param_group.get("params", [])
+    params = [params] if isinstance(params, Tensor) else params
+    if mode != "nearest" and any(isinstance(p, Tensor) and p.dtype == torch.float16 for p in params):
+        raise ValueError(f"bf16_update={mode!r} rounds bf16 parameters; this group has float16 parameters: make them "
+                         "bf16 (or fp32), or keep bf16_update='nearest' for that group")
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+class _Bf16Rounding:
+    """The ``bf16_update`` option of SGD/Adam/AdamW: how an update writes bf16 parameters.
+
+    ``"nearest"`` (default, torch's rounding): an update smaller than half a bf16 ulp of the
+    weight (|Δ| < |w|·2⁻⁹) is lost. ``"stochastic"``: rounded up or down with the probability
+    that makes it unbiased, from bits every backend draws alike (backends/reference.py) under a
+    per-parameter key: the state's ``"bf16_rounding_seed"`` (int64, from ``torch.initial_seed()``
+    and the parameter's index at its first update; +1 per update, saved in the state_dict).
+    ``"kahan"``: the state's ``"bf16_compensation"`` (bf16, +2 B/param, in the state_dict) keeps
+    what the bf16 parameter cannot hold; the update reads p + c. A per-group option; other
+    dtypes are written as they always were (fp16 parameters with a rounding mode are refused).
+    """
+
+    def _init_bf16_update(self, bf16_update: str) -> None:
+        self.defaults["bf16_update"] = bf16_update
+        for group in self.param_groups:
+            group.setdefault("bf16_update", bf16_update)
+            _check_bf16_update(group, bf16_update)
+
+    def _add_group(self, param_group) -> None:
+        if isinstance(param_group, dict):
+            _check_bf16_update(param_group, self.defaults.get("bf16_update", "nearest"))
+        super()._add_group(param_group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:  # (a torch.optim state_dict's groups lack it: the constructor's)
+            group.setdefault("bf16_update", self.defaults["bf16_update"])
+
+    def _init_rounding_state(self, group, params: list[Tensor]) -> str:
+        """Create the rounding state of the group's bf16 ``params`` that lack it; returns the
+        group's mode ("nearest" for a call of other parameters)."""
+        mode = group.get("bf16_update", "nearest")
+        if mode == "nearest":
+            return mode
+        params = [p for p in params if p.dtype == torch.bfloat16]
+        if mode == "kahan":
+            for p in params:
+                comp = self.state[p].get("bf16_compensation")
+                if comp is None or comp.device != p.device:
+                    self.state[p]["bf16_compensation"] = torch.zeros_like(p) if comp is None else comp.to(p.device)
+        elif mode == "stochastic" and any("bf16_rounding_seed" not in self.state[p] for p in params):
+            index = {p: i for i, p in enumerate(self._all_params())}
+            base = _splitmix64(torch.initial_seed())
+            for p in params:
+                if "bf16_rounding_seed" not in self.state[p]:
+                    seed = _splitmix64(base ^ index[p]) >> 1  # (fits int64)
+                    self.state[p]["bf16_rounding_seed"] = torch.tensor(seed, dtype=torch.int64)
+        return mode if params else "nearest"
+
+    def _rounding_args(self, group, params: list[Tensor]) -> dict[str, Any]:
+        """bf16_update's arguments of one backend call (its parameters share a dtype)."""
+        mode = self._init_rounding_state(group, params)
+        if mode == "nearest":
+            return {}
+        states = [self.state[p] for p in params]
+        if mode == "kahan":
+            return dict(bf16_update=mode, compensations=[kernel_view(s["bf16_compensation"]) for s in states])
+        seeds = [s["bf16_rounding_seed"] for s in states]
+        stacked = torch.stack(seeds)
+        keys = hash32((stacked & 0xFFFFFFFF) ^ hash32((stacked >> 32) & 0xFFFFFFFF)).tolist()
+        torch._foreach_add_(seeds, 1)  # the next update draws other bits
+        return dict(bf16_update=mode, rounding_keys=keys)
+
+
+class SGD(_Bf16Rounding, AccumulatingOptimizer, torch.optim.SGD):
     """torch.optim.SGD with gradient accumulation (see the package README).
 
     Momentum buffers are fp32 whatever the parameter dtype (torch keeps them in the parameter
@@ -69,10 +153,12 @@ class SGD(AccumulatingOptimizer, torch.optim.SGD):
                  weight_decay: float | Tensor = 0, nesterov: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None,
                  accumulation_steps: int = 1, max_grad_norm: float | None = None, backend: str = "auto",
-                 process_group=None, in_backward: bool = False):
+                 process_group=None, in_backward: bool = False, bf16_update: str = "nearest"):
         _check_accumulation_args(accumulation_steps, max_grad_norm, backend, False, differentiable, process_group)
+        _check_bf16_update({}, bf16_update)
         torch.optim.SGD.__init__(self, params, lr, momentum, dampening, weight_decay, nesterov, maximize=maximize,
                                  foreach=foreach, differentiable=differentiable, fused=fused)
+        self._init_bf16_update(bf16_update)
         self._init_accumulation(accumulation_steps, max_grad_norm, backend, process_group, in_backward)
 
     def _init_state_for_checkpoint(self) -> None:
@@ -83,6 +169,7 @@ class SGD(AccumulatingOptimizer, torch.optim.SGD):
                 for p in group["params"]:
                     if p.requires_grad and self.state[p].get("momentum_buffer") is None:
                         self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=state_dtype(p))
+            self._init_rounding_state(group, [p for p in group["params"] if p.requires_grad])
 
     def _hyperparameters(self, group) -> dict[str, Any]:
         """The group's arguments of every backend's ``sgd_update`` (and of in_backward's
@@ -98,14 +185,14 @@ class SGD(AccumulatingOptimizer, torch.optim.SGD):
         momentum_buffers = [kernel_view(b) if b is not None else None
                             for b in (self.state.get(p, {}).get("momentum_buffer") for p in params)]
         backend.sgd_update(params=[kernel_view(p) for p in params], buffers=buffers,
-                           momentum_buffers=momentum_buffers, **hyper, **window)
+                           momentum_buffers=momentum_buffers, **hyper, **window, **self._rounding_args(group, params))
         if momentum != 0:
             for p, momentum_buffer in zip(params, momentum_buffers):
                 if self.state[p].get("momentum_buffer") is None:  # new: a backend made it from local shards
                     self.state[p]["momentum_buffer"] = like_param(momentum_buffer, p)
 
 
-class Adam(AccumulatingOptimizer, torch.optim.Adam):
+class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
     """torch.optim.Adam with gradient accumulation (see the package README).
 
     exp_avg / exp_avg_sq / max_exp_avg_sq are fp32 whatever the parameter dtype (torch keeps
@@ -119,12 +206,14 @@ class Adam(AccumulatingOptimizer, torch.optim.Adam):
                  maximize: bool = False, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, decoupled_weight_decay: bool = False,
                  accumulation_steps: int = 1, max_grad_norm: float | None = None, backend: str = "auto",
-                 process_group=None, in_backward: bool = False):
+                 process_group=None, in_backward: bool = False, bf16_update: str = "nearest"):
         _check_accumulation_args(accumulation_steps, max_grad_norm, backend, capturable, differentiable,
                                  process_group)
+        _check_bf16_update({}, bf16_update)
         torch.optim.Adam.__init__(self, params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                                   maximize=maximize, capturable=capturable, differentiable=differentiable,
                                   fused=fused, decoupled_weight_decay=decoupled_weight_decay)
+        self._init_bf16_update(bf16_update)
         self._init_accumulation(accumulation_steps, max_grad_norm, backend, process_group, in_backward)
 
     def _call_key(self, p: Tensor):
@@ -148,6 +237,7 @@ class Adam(AccumulatingOptimizer, torch.optim.Adam):
             for p in group["params"]:
                 if p.requires_grad:
                     self._init_param_state(p, group)
+            self._init_rounding_state(group, [p for p in group["params"] if p.requires_grad])
 
     def _update(self, backend, group, params, buffers, **window) -> None:
         amsgrad = group["amsgrad"]
@@ -161,6 +251,7 @@ class Adam(AccumulatingOptimizer, torch.optim.Adam):
             exp_avg_sqs=[kernel_view(s["exp_avg_sq"]) for s in states],
             max_exp_avg_sqs=[kernel_view(s["max_exp_avg_sq"]) for s in states] if amsgrad else [],
             step=int(states[0]["step"].item()), **self._hyperparameters(group), **window,
+            **self._rounding_args(group, params),
         )
 
     def _hyperparameters(self, group) -> dict[str, Any]:
@@ -179,12 +270,12 @@ class AdamW(Adam, torch.optim.AdamW):
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, accumulation_steps: int = 1, max_grad_norm: float | None = None,
-                 backend: str = "auto", process_group=None, in_backward: bool = False):
+                 backend: str = "auto", process_group=None, in_backward: bool = False, bf16_update: str = "nearest"):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, accumulation_steps=accumulation_steps,
                          max_grad_norm=max_grad_norm, backend=backend, process_group=process_group,
-                         in_backward=in_backward)
+                         in_backward=in_backward, bf16_update=bf16_update)
 
 
 class GradientAccumulator(AccumulatingOptimizer, torch.optim.Optimizer):

@@ -264,7 +264,7 @@ Update start_update(const TensorList& params, const TensorList& buffers, double 
   Update u{start_call(buffers)};
   u.param_dtype = add_list(u.call, params, "params", buffers, kParam, /*fp32_only=*/false);
   check_scalar_tensor(clip_coef, "clip_coef", u.call);
-  u.window = WindowScalars{static_cast<float>(weight_sum), maximize};
+  u.window = WindowScalars{static_cast<float>(weight_sum), maximize, kRoundNearest};
   u.fold.present = grads.has_value();
   u.fold.accum = AccumScalars{static_cast<float>(weight), overwrite};
   if (grads.has_value()) {
@@ -274,12 +274,35 @@ Update start_update(const TensorList& params, const TensorList& buffers, double 
   return u;
 }
 
+// bf16_update: how the update writes bf16 parameters (ParamRounding in math.h): stochastic
+// rounding takes one 32-bit key per tensor, Kahan one bf16 compensation tensor per parameter.
+void add_rounding(Update& u, const TensorList& buffers, int64_t rounding, const std::vector<int64_t>& rounding_keys,
+                  const TensorList& compensations) {
+  TORCH_CHECK(rounding >= kRoundNearest && rounding <= kRoundKahan, "rounding must be 0 (nearest), 1 (stochastic) or ",
+              "2 (kahan), got ", rounding);
+  u.window.rounding = static_cast<ParamRounding>(rounding);
+  TORCH_CHECK(rounding == kRoundNearest || u.param_dtype == kBFloat16 || buffers.empty(),
+              "stochastic and Kahan rounding are for bf16 parameters; these are ",
+              u.param_dtype == kFloat32 ? "float32" : "float16");
+  if (rounding == kRoundStochastic) {
+    TORCH_CHECK(rounding_keys.size() == buffers.size(), "rounding_keys must have as many entries as buffers (",
+                buffers.size(), "), got ", rounding_keys.size());
+    for (size_t i = 0; i < buffers.size(); ++i) u.call.entries[i].rounding_key = static_cast<uint32_t>(rounding_keys[i]);
+  }
+  if (rounding == kRoundKahan) {
+    const DType comp_dtype = add_list(u.call, compensations, "compensations", buffers, kComp, /*fp32_only=*/false);
+    TORCH_CHECK_TYPE(buffers.empty() || comp_dtype == kBFloat16, "compensations must be bfloat16");
+  }
+}
+
 void sgd_update(const TensorList& params, const TensorList& buffers, const TensorList& momentum_buffers,
                 const std::vector<bool>& first_momentum, double weight_sum, const std::optional<Tensor>& clip_coef,
                 double neg_lr, double momentum, double one_minus_dampening, double weight_decay, bool nesterov,
                 bool maximize, const std::optional<TensorList>& grads, double weight, bool overwrite,
-                const std::optional<Tensor>& grad_scale) {
+                const std::optional<Tensor>& grad_scale, int64_t rounding = kRoundNearest,
+                const std::vector<int64_t>& rounding_keys = {}, const TensorList& compensations = {}) {
   Update u = start_update(params, buffers, weight_sum, maximize, clip_coef, grads, weight, overwrite, grad_scale);
+  add_rounding(u, buffers, rounding, rounding_keys, compensations);
   const SgdScalars s{static_cast<float>(weight_decay), static_cast<float>(momentum),
                      static_cast<float>(one_minus_dampening), static_cast<float>(neg_lr), weight_decay != 0.0,
                      momentum != 0.0, nesterov};
@@ -305,6 +328,7 @@ void sgd_update(const TensorList& params, const TensorList& buffers, const Tenso
   }
   bump_versions(params);
   if (s.has_momentum) bump_versions(momentum_buffers);
+  if (rounding == kRoundKahan) bump_versions(compensations);
 }
 
 void adam_update(const TensorList& params, const TensorList& buffers, const TensorList& exp_avgs,
@@ -312,8 +336,10 @@ void adam_update(const TensorList& params, const TensorList& buffers, const Tens
                  const std::optional<Tensor>& clip_coef, double decay_factor, double weight_decay, double lerp_weight,
                  double beta2, double one_minus_beta2, double bc2_sqrt, double eps, double neg_step_size,
                  bool decoupled, bool amsgrad, bool maximize, const std::optional<TensorList>& grads, double weight,
-                 bool overwrite, const std::optional<Tensor>& grad_scale) {
+                 bool overwrite, const std::optional<Tensor>& grad_scale, int64_t rounding = kRoundNearest,
+                 const std::vector<int64_t>& rounding_keys = {}, const TensorList& compensations = {}) {
   Update u = start_update(params, buffers, weight_sum, maximize, clip_coef, grads, weight, overwrite, grad_scale);
+  add_rounding(u, buffers, rounding, rounding_keys, compensations);
   add_list(u.call, exp_avgs, "exp_avgs", buffers, kState0, /*fp32_only=*/true);
   add_list(u.call, exp_avg_sqs, "exp_avg_sqs", buffers, kState1, /*fp32_only=*/true);
   if (amsgrad) {
@@ -339,6 +365,7 @@ void adam_update(const TensorList& params, const TensorList& buffers, const Tens
     cpu::adam_update(u.call.entries, u.param_dtype, u.fold, u.window, host_value(clip_coef), s);
   }
   for (const TensorList* written : {&params, &exp_avgs, &exp_avg_sqs, &max_exp_avg_sqs}) bump_versions(*written);
+  if (rounding == kRoundKahan) bump_versions(compensations);
 }
 
 }  // namespace
@@ -392,12 +419,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("first_momentum"), py::arg("weight_sum"), py::arg("clip_coef"), py::arg("neg_lr"),
         py::arg("momentum"), py::arg("one_minus_dampening"), py::arg("weight_decay"), py::arg("nesterov"),
         py::arg("maximize"), py::arg("grads"), py::arg("weight"), py::arg("overwrite"), py::arg("grad_scale"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("rounding") = 0, py::arg("rounding_keys") = std::vector<int64_t>{},
+        py::arg("compensations") = TensorList{}, py::call_guard<py::gil_scoped_release>());
   m.def("adam_update", &adam_update, py::arg("params"), py::arg("buffers"), py::arg("exp_avgs"),
         py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("weight_sum"), py::arg("clip_coef"),
         py::arg("decay_factor"), py::arg("weight_decay"), py::arg("lerp_weight"), py::arg("beta2"),
         py::arg("one_minus_beta2"), py::arg("bc2_sqrt"), py::arg("eps"), py::arg("neg_step_size"),
         py::arg("decoupled"), py::arg("amsgrad"), py::arg("maximize"), py::arg("grads"), py::arg("weight"),
-        py::arg("overwrite"), py::arg("grad_scale"), py::call_guard<py::gil_scoped_release>());
+        py::arg("overwrite"), py::arg("grad_scale"), py::arg("rounding") = 0,
+        py::arg("rounding_keys") = std::vector<int64_t>{}, py::arg("compensations") = TensorList{},
+        py::call_guard<py::gil_scoped_release>());
   register_hooks(m);
 }

@@ -20,6 +20,8 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define AF_HD __host__ __device__ __forceinline__
@@ -36,9 +38,17 @@ struct AccumScalars {
   bool overwrite;   // the first micro-batch of the window: acc <- c, no read of acc
 };
 
+// How an update writes a bf16 parameter (the option bf16_update; every other dtype: nearest).
+enum ParamRounding : int32_t {
+  kRoundNearest = 0,     // round to nearest even, as torch's .to(bfloat16)
+  kRoundStochastic = 1,  // up with probability (x - down) / ulp: unbiased (af_bf16_stochastic)
+  kRoundKahan = 2,       // p + c is the parameter; c (bf16, slot kComp) keeps what p cannot hold
+};
+
 struct WindowScalars {
   float weight_sum;  // W = sum of the window's weights
   bool maximize;
+  ParamRounding rounding;
 };
 
 struct SgdScalars {
@@ -114,6 +124,34 @@ struct Div {
 template <class T>
 AF_HD T af_div(T x, const Div<T>& d) {
   return d.by_inverse ? x * d.inverse : x / d.value;
+}
+
+// ---------------------------------------------------------------------------- bf16 rounding
+// Stochastic rounding draws 16 random bits per element from a counter-based hash of its index
+// in the tensor and the update's 32-bit key (computed on the host from the parameter's rounding
+// seed, a new key every update): no generator state on the device, and every backend (the
+// reference's integer tensor arithmetic included) draws the same bits, so their results are
+// equal bit for bit. The hash is "lowbias32" (C. Wellons' hash prospector), a bijection.
+AF_HD uint32_t af_hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// x rounded to a bf16 value (returned as the float it is, low 16 bits zero): adding 16 random
+// bits below the kept mantissa carries into it with probability (x - down) / ulp. NaN and
+// infinity are returned as they are (the bf16 conversion after keeps them).
+AF_HD float af_bf16_stochastic(float x, uint32_t key, int64_t index) {
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7f800000u) == 0x7f800000u) return x;
+  bits = (bits + (af_hash32(static_cast<uint32_t>(index) ^ key) & 0xffffu)) & 0xffff0000u;
+  float rounded;
+  memcpy(&rounded, &bits, sizeof rounded);
+  return rounded;
 }
 
 // ---------------------------------------------------------------------------- accumulate

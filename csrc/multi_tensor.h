@@ -7,6 +7,7 @@
 //   sgd_update     grad (fused last micro-batch, else null), buffer, param, state0 = momentum buffer
 //   adam_update    grad (idem), buffer, param, state0 = exp_avg, state1 = exp_avg_sq,
 //                  state2 = max_exp_avg_sq (amsgrad only)
+//   both updates   comp = the bf16 Kahan compensation of a bf16 param (kRoundKahan only)
 // Buffers and state are fp32; grads and params fp32, bf16 or fp16 (one dtype per call each).
 #pragma once
 
@@ -16,7 +17,9 @@ namespace accum_fused {
 
 enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
-enum Slot : int32_t { kGrad = 0, kBuffer = 1, kParam = 2, kState0 = 3, kState1 = 4, kState2 = 5, kNumSlots = 6 };
+enum Slot : int32_t {
+  kGrad = 0, kBuffer = 1, kParam = 2, kState0 = 3, kState1 = 4, kState2 = 5, kComp = 6, kNumSlots = 7
+};
 
 enum EntryFlag : int32_t {
   kAligned16 = 1,       // every non-null pointer of the entry is 16-byte aligned (CUDA vector path)
@@ -28,9 +31,9 @@ struct TensorEntry {
   int64_t numel;
   int64_t chunk_begin;  // CUDA: index of the tensor's first chunk in the launch (assign_chunks)
   int32_t flags;
-  int32_t reserved;
+  uint32_t rounding_key;  // kRoundStochastic: this update's key for the tensor (see math.h)
 };
-static_assert(sizeof(TensorEntry) == 72, "TensorEntry layout is shared by host and device");
+static_assert(sizeof(TensorEntry) == 80, "TensorEntry layout is shared by host and device");
 
 // Numbers every entry's chunks consecutively (chunk_begin) and sets kAligned16; returns the
 // total number of chunks. Used by the CUDA launchers' callers to size per-chunk workspaces.

@@ -93,6 +93,54 @@ def _to_bf16_rtne(x):
     return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
+@triton.jit
+def _round_nearest(x, P_DTYPE: tl.constexpr):
+    if _ROUND_BF16_BY_HAND and P_DTYPE == tl.bfloat16:
+        return _to_bf16_rtne(x)
+    else:
+        return x.to(P_DTYPE)
+
+
+# bf16_update (see math.h and the reference): ROUNDING 0 nearest, 1 stochastic, 2 Kahan.
+@triton.jit
+def _hash32(x):  # "lowbias32", on uint32 (wrapping products)
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _bf16_stochastic(x, key, offs):
+    """fp32 x rounded stochastically to a bf16 value (returned as fp32, low 16 bits zero)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    random = _hash32(offs.to(tl.uint32) ^ key) & 0xFFFF
+    finite = (bits & 0x7F800000) != 0x7F800000
+    bits = tl.where(finite, (bits + random) & 0xFFFF0000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_param(param, comp, offs, mask, other, ROUNDING: tl.constexpr):
+    p = tl.load(param + offs, mask=mask, other=other).to(tl.float32)
+    if ROUNDING == 2:  # the parameter is p + c
+        p = p + tl.load(comp + offs, mask=mask, other=other).to(tl.float32)
+    return p
+
+
+@triton.jit
+def _store_param(param, comp, key, offs, p, mask, P_DTYPE: tl.constexpr, ROUNDING: tl.constexpr):
+    if ROUNDING == 1:
+        p = _bf16_stochastic(p, key, offs)
+    if ROUNDING == 2:  # p rounded to nearest, c = the rest (exact in fp32) rounded to bf16
+        rounded = _round_nearest(p, P_DTYPE)
+        tl.store(comp + offs, _round_nearest(p - rounded.to(tl.float32), tl.bfloat16), mask=mask)
+        tl.store(param + offs, rounded, mask=mask)
+    else:
+        tl.store(param + offs, _round_nearest(p, P_DTYPE), mask=mask)
+
+
 # ------------------------------------------------------------------------------------------------
 # accumulate
 #   grad_ptrs  int64 [n]   gradients (G_DTYPE), read
@@ -196,16 +244,19 @@ def norm_finish_kernel(meta_ptr, partial_ptr, out_ptr, META: tl.constexpr, BLOCK
 #   grad_ptrs  int64 [n]   FUSE: the window's last micro-batch (G_DTYPE), read
 #   meta       col 1 bit FIRST_MOMENTUM: the momentum buffer is new (b <- g, not read);
 #              col 4: buffer (fp32), read unless FUSE and OVERWRITE; col 5: param (P_DTYPE), read,
-#              written; col 6: momentum_buffer (fp32) HAS_MOMENTUM: read, written
+#              written; col 6: momentum_buffer (fp32) HAS_MOMENTUM: read, written; col 7: the Kahan
+#              compensation (bf16) ROUNDING 2: read, written
+#   keys_ptr   int64 [n]   ROUNDING 1: the tensors' stochastic rounding keys
 #   scale_ptr  fp32 [1]    FUSE and HAS_SCALE: GradScaler's scale for the last micro-batch
 #   clip_ptr   fp32 [1]    HAS_CLIP: the clip coefficient
 #   weight, weight_sum, neg_lr, momentum, one_minus_dampening, weight_decay: fp32 run-time
 # With FUSE the buffer is not written back: the window closes here, the next one overwrites it.
 @triton.jit(do_not_specialize=["weight", "weight_sum", "neg_lr", "momentum", "one_minus_dampening",
                                "weight_decay"])
-def sgd_kernel(chunks_ptr, meta_ptr, grad_ptrs, scale_ptr, clip_ptr,
+def sgd_kernel(chunks_ptr, meta_ptr, grad_ptrs, keys_ptr, scale_ptr, clip_ptr,
                weight, weight_sum, neg_lr, momentum, one_minus_dampening, weight_decay,
-               P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, FUSE: tl.constexpr, OVERWRITE: tl.constexpr,
+               ROUNDING: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, FUSE: tl.constexpr,
+               OVERWRITE: tl.constexpr,
                HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_WD: tl.constexpr,
                HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
                ALIGNED: tl.constexpr, META: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
@@ -218,6 +269,8 @@ def sgd_kernel(chunks_ptr, meta_ptr, grad_ptrs, scale_ptr, clip_ptr,
     buf = tl.load(row + 4).to(tl.pointer_type(tl.float32))
     param = tl.load(row + 5).to(tl.pointer_type(P_DTYPE))
     mom = tl.load(row + 6).to(tl.pointer_type(tl.float32))
+    comp = tl.load(row + 7).to(tl.pointer_type(tl.bfloat16))
+    key = tl.load(keys_ptr + t).to(tl.uint32) if ROUNDING == 1 else 0
     grad = tl.load(grad_ptrs + t).to(tl.pointer_type(G_DTYPE))
     if ALIGNED:
         buf = tl.multiple_of(buf, 16)
@@ -226,18 +279,18 @@ def sgd_kernel(chunks_ptr, meta_ptr, grad_ptrs, scale_ptr, clip_ptr,
         grad = tl.multiple_of(grad, 16)
     for off in range(start, end, BLOCK):
         if off + BLOCK <= end:
-            _sgd_tile(grad, buf, param, mom, off, end, first, scale_ptr, clip_ptr, weight, weight_sum, neg_lr,
-                      momentum, one_minus_dampening, weight_decay, P_DTYPE, FUSE, OVERWRITE, HAS_SCALE, HAS_CLIP,
-                      HAS_WD, HAS_MOMENTUM, NESTEROV, MAXIMIZE, False, BLOCK)
+            _sgd_tile(grad, buf, param, mom, comp, key, off, end, first, scale_ptr, clip_ptr, weight, weight_sum,
+                      neg_lr, momentum, one_minus_dampening, weight_decay, ROUNDING, P_DTYPE, FUSE, OVERWRITE,
+                      HAS_SCALE, HAS_CLIP, HAS_WD, HAS_MOMENTUM, NESTEROV, MAXIMIZE, False, BLOCK)
         else:
-            _sgd_tile(grad, buf, param, mom, off, end, first, scale_ptr, clip_ptr, weight, weight_sum, neg_lr,
-                      momentum, one_minus_dampening, weight_decay, P_DTYPE, FUSE, OVERWRITE, HAS_SCALE, HAS_CLIP,
-                      HAS_WD, HAS_MOMENTUM, NESTEROV, MAXIMIZE, True, BLOCK)
+            _sgd_tile(grad, buf, param, mom, comp, key, off, end, first, scale_ptr, clip_ptr, weight, weight_sum,
+                      neg_lr, momentum, one_minus_dampening, weight_decay, ROUNDING, P_DTYPE, FUSE, OVERWRITE,
+                      HAS_SCALE, HAS_CLIP, HAS_WD, HAS_MOMENTUM, NESTEROV, MAXIMIZE, True, BLOCK)
 
 
 @triton.jit
-def _sgd_tile(grad, buf, param, mom, off, end, first, scale_ptr, clip_ptr, weight, weight_sum, neg_lr,
-              momentum, one_minus_dampening, weight_decay, P_DTYPE: tl.constexpr,
+def _sgd_tile(grad, buf, param, mom, comp, key, off, end, first, scale_ptr, clip_ptr, weight, weight_sum, neg_lr,
+              momentum, one_minus_dampening, weight_decay, ROUNDING: tl.constexpr, P_DTYPE: tl.constexpr,
               FUSE: tl.constexpr, OVERWRITE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
               HAS_WD: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
               MAXIMIZE: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
@@ -259,7 +312,7 @@ def _sgd_tile(grad, buf, param, mom, off, end, first, scale_ptr, clip_ptr, weigh
         g = g * tl.load(clip_ptr)
     if MAXIMIZE:
         g = -g
-    p = tl.load(param + offs, mask=mask, other=other).to(tl.float32)
+    p = _load_param(param, comp, offs, mask, other, ROUNDING)
     if HAS_WD:
         g = tl.fma(p, weight_decay, g)  # grad.add(param, alpha=weight_decay)
     if HAS_MOMENTUM:
@@ -273,10 +326,7 @@ def _sgd_tile(grad, buf, param, mom, off, end, first, scale_ptr, clip_ptr, weigh
         else:
             g = b
     p = tl.fma(g, neg_lr, p)  # param.add_(g, alpha=-lr)
-    if _ROUND_BF16_BY_HAND and P_DTYPE == tl.bfloat16:
-        tl.store(param + offs, _to_bf16_rtne(p), mask=mask)
-    else:
-        tl.store(param + offs, p.to(P_DTYPE), mask=mask)
+    _store_param(param, comp, key, offs, p, mask, P_DTYPE, ROUNDING)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -284,7 +334,8 @@ def _sgd_tile(grad, buf, param, mom, off, end, first, scale_ptr, clip_ptr, weigh
 #   grad_ptrs  int64 [n]   FUSE: the window's last micro-batch (G_DTYPE), read
 #   meta       col 4: buffer (fp32), read unless FUSE and OVERWRITE; col 5: param (P_DTYPE);
 #              cols 6, 7: exp_avg, exp_avg_sq (fp32); col 8: max_exp_avg_sq (fp32) AMSGRAD;
-#              all read and written
+#              all read and written; col 9: the Kahan compensation (bf16) ROUNDING 2
+#   keys_ptr   int64 [n]   ROUNDING 1: the tensors' stochastic rounding keys
 #   scale_ptr  fp32 [1]    FUSE and HAS_SCALE: GradScaler's scale for the last micro-batch
 #   clip_ptr   fp32 [1]    HAS_CLIP: the clip coefficient
 #   weight, weight_sum, decay_factor (1 - lr*wd), weight_decay, lerp_weight (1 - beta1), beta2,
@@ -293,10 +344,11 @@ def _sgd_tile(grad, buf, param, mom, off, end, first, scale_ptr, clip_ptr, weigh
 # With FUSE the buffer is not written back: the window closes here, the next one overwrites it.
 @triton.jit(do_not_specialize=["weight", "weight_sum", "decay_factor", "weight_decay", "lerp_weight", "beta2",
                                "one_minus_beta2", "bc2_sqrt", "eps", "neg_step_size"])
-def adam_kernel(chunks_ptr, meta_ptr, grad_ptrs, scale_ptr, clip_ptr,
+def adam_kernel(chunks_ptr, meta_ptr, grad_ptrs, keys_ptr, scale_ptr, clip_ptr,
                 weight, weight_sum, decay_factor, weight_decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt,
                 eps, neg_step_size,
-                P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, FUSE: tl.constexpr, OVERWRITE: tl.constexpr,
+                ROUNDING: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, FUSE: tl.constexpr,
+               OVERWRITE: tl.constexpr,
                 HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_WD: tl.constexpr, DECOUPLED: tl.constexpr,
                 AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
                 ALIGNED: tl.constexpr, META: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
@@ -310,6 +362,8 @@ def adam_kernel(chunks_ptr, meta_ptr, grad_ptrs, scale_ptr, clip_ptr,
     exp_avg = tl.load(row + 6).to(tl.pointer_type(tl.float32))
     exp_avg_sq = tl.load(row + 7).to(tl.pointer_type(tl.float32))
     max_exp_avg_sq = tl.load(row + 8).to(tl.pointer_type(tl.float32))
+    comp = tl.load(row + 9).to(tl.pointer_type(tl.bfloat16))
+    key = tl.load(keys_ptr + t).to(tl.uint32) if ROUNDING == 1 else 0
     grad = tl.load(grad_ptrs + t).to(tl.pointer_type(G_DTYPE))
     if ALIGNED:
         buf = tl.multiple_of(buf, 16)
@@ -320,21 +374,21 @@ def adam_kernel(chunks_ptr, meta_ptr, grad_ptrs, scale_ptr, clip_ptr,
         grad = tl.multiple_of(grad, 16)
     for off in range(start, end, BLOCK):
         if off + BLOCK <= end:
-            _adam_tile(grad, buf, param, exp_avg, exp_avg_sq, max_exp_avg_sq, off, end, scale_ptr, clip_ptr,
-                       weight, weight_sum, decay_factor, weight_decay, lerp_weight, beta2, one_minus_beta2,
-                       bc2_sqrt, eps, neg_step_size, P_DTYPE, FUSE, OVERWRITE, HAS_SCALE, HAS_CLIP, HAS_WD,
+            _adam_tile(grad, buf, param, exp_avg, exp_avg_sq, max_exp_avg_sq, comp, key, off, end, scale_ptr,
+                       clip_ptr, weight, weight_sum, decay_factor, weight_decay, lerp_weight, beta2, one_minus_beta2,
+                       bc2_sqrt, eps, neg_step_size, ROUNDING, P_DTYPE, FUSE, OVERWRITE, HAS_SCALE, HAS_CLIP, HAS_WD,
                        DECOUPLED, AMSGRAD, MAXIMIZE, False, BLOCK)
         else:
-            _adam_tile(grad, buf, param, exp_avg, exp_avg_sq, max_exp_avg_sq, off, end, scale_ptr, clip_ptr,
-                       weight, weight_sum, decay_factor, weight_decay, lerp_weight, beta2, one_minus_beta2,
-                       bc2_sqrt, eps, neg_step_size, P_DTYPE, FUSE, OVERWRITE, HAS_SCALE, HAS_CLIP, HAS_WD,
+            _adam_tile(grad, buf, param, exp_avg, exp_avg_sq, max_exp_avg_sq, comp, key, off, end, scale_ptr,
+                       clip_ptr, weight, weight_sum, decay_factor, weight_decay, lerp_weight, beta2, one_minus_beta2,
+                       bc2_sqrt, eps, neg_step_size, ROUNDING, P_DTYPE, FUSE, OVERWRITE, HAS_SCALE, HAS_CLIP, HAS_WD,
                        DECOUPLED, AMSGRAD, MAXIMIZE, True, BLOCK)
 
 
 @triton.jit
-def _adam_tile(grad, buf, param, exp_avg, exp_avg_sq, max_exp_avg_sq, off, end, scale_ptr, clip_ptr,
+def _adam_tile(grad, buf, param, exp_avg, exp_avg_sq, max_exp_avg_sq, comp, key, off, end, scale_ptr, clip_ptr,
                weight, weight_sum, decay_factor, weight_decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt,
-               eps, neg_step_size, P_DTYPE: tl.constexpr,
+               eps, neg_step_size, ROUNDING: tl.constexpr, P_DTYPE: tl.constexpr,
                FUSE: tl.constexpr, OVERWRITE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
                HAS_WD: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
                MASKED: tl.constexpr, BLOCK: tl.constexpr):
@@ -356,7 +410,7 @@ def _adam_tile(grad, buf, param, exp_avg, exp_avg_sq, max_exp_avg_sq, off, end, 
         g = g * tl.load(clip_ptr)
     if MAXIMIZE:
         g = -g
-    p = tl.load(param + offs, mask=mask, other=other).to(tl.float32)
+    p = _load_param(param, comp, offs, mask, other, ROUNDING)
     if HAS_WD:
         if DECOUPLED:
             p = p * decay_factor
@@ -376,7 +430,4 @@ def _adam_tile(grad, buf, param, exp_avg, exp_avg_sq, max_exp_avg_sq, off, end, 
         tl.store(max_exp_avg_sq + offs, v, mask=mask)
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = p + tl.div_rn(neg_step_size * m, denom)  # param.addcdiv_(m, denom, value=-step_size)
-    if _ROUND_BF16_BY_HAND and P_DTYPE == tl.bfloat16:
-        tl.store(param + offs, _to_bf16_rtne(p), mask=mask)
-    else:
-        tl.store(param + offs, p.to(P_DTYPE), mask=mask)
+    _store_param(param, comp, key, offs, p, mask, P_DTYPE, ROUNDING)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ._kernel_args import device_scalar, host_value
+from .reference import BF16_UPDATES
 from .reference import write_window_grads  # noqa: F401  (torch's foreach ops on every backend)
 
 try:
@@ -119,6 +120,9 @@ def sgd_update(
     weight: float = 1.0,
     overwrite: bool = False,
     grad_scale: Tensor | None = None,
+    bf16_update: str = "nearest",
+    rounding_keys: list[int] | None = None,
+    compensations: list[Tensor] | None = None,
 ) -> None:
     if not params:
         return
@@ -139,9 +143,15 @@ def sgd_update(
         **sgd_scalars(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                       maximize=maximize),
         grads=None if grads is None else layout.read(grads), weight=float(weight), overwrite=bool(overwrite),
-        grad_scale=device_scalar(grad_scale, device),
+        grad_scale=device_scalar(grad_scale, device), **_rounding(layout, bf16_update, rounding_keys, compensations),
     )
     layout.finish()
+
+
+def _rounding(layout: _Layout, bf16_update: str, rounding_keys, compensations) -> dict:
+    """The rounding arguments of ``_C.sgd_update`` / ``_C.adam_update`` (the binding checks them)."""
+    return dict(rounding=BF16_UPDATES.index(bf16_update), rounding_keys=list(rounding_keys or ()),
+                compensations=layout.read_write(compensations) if bf16_update == "kahan" else [])
 
 
 def sgd_scalars(*, lr, momentum, dampening, weight_decay, nesterov, maximize) -> dict:
@@ -173,6 +183,9 @@ def adam_update(
     weight: float = 1.0,
     overwrite: bool = False,
     grad_scale: Tensor | None = None,
+    bf16_update: str = "nearest",
+    rounding_keys: list[int] | None = None,
+    compensations: list[Tensor] | None = None,
 ) -> None:
     if not params:
         return
@@ -186,7 +199,7 @@ def adam_update(
         **adam_scalars(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                        amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=decoupled_weight_decay),
         grads=None if grads is None else layout.read(grads), weight=float(weight), overwrite=bool(overwrite),
-        grad_scale=device_scalar(grad_scale, device),
+        grad_scale=device_scalar(grad_scale, device), **_rounding(layout, bf16_update, rounding_keys, compensations),
     )
     layout.finish()
 

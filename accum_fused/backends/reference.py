@@ -16,6 +16,13 @@ read in their own dtype, widened, updated, and written back rounded once. The op
 fp32 parameters is torch's single-tensor path (torch/optim/sgd.py, adam.py), so k=1 with
 weight 1 reproduces torch.optim bit for bit on CPU. ``lr`` is a float or, when the user gave a
 tensor lr, a 0-dim tensor used exactly as torch uses it (compiled backends take its value).
+
+bf16 parameters are written back as ``bf16_update`` says (``_read_param`` / ``_write_param``):
+``"nearest"`` (torch's rounding), ``"stochastic"`` (rounded up with probability equal to the
+fraction of an ulp, from 16 bits of a hash of the element's memory offset and the tensor's
+``rounding_keys`` entry: every backend draws the same bits), or ``"kahan"`` (the parameter is
+p + c with c in ``compensations``, a bf16 tensor per parameter: the update reads p + c, writes
+p rounded to nearest and c = the rest rounded to bf16).
 """
 from __future__ import annotations
 
@@ -85,6 +92,84 @@ def write_window_grads(*, buffers: list[Tensor], grads: list[Tensor], weight_sum
     torch._foreach_copy_(grads, window)
 
 
+# ------------------------------------------------------------------------------ bf16 rounding
+BF16_UPDATES = ("nearest", "stochastic", "kahan")
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x, c: int):
+    """x * c mod 2**32 for x in [0, 2**32) (Python ints or int64 tensors, which must not overflow)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def hash32(x):
+    """The 32-bit hash every backend draws stochastic rounding bits from ("lowbias32", a bijection
+    on [0, 2**32)): Python ints or int64 tensors holding values in that range."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _memory_offsets(t: Tensor) -> Tensor:
+    """Each element's offset from the tensor's first element in memory (the index a kernel walking
+    memory in order gives it), as int64."""
+    offsets = torch.zeros(t.shape, dtype=torch.int64, device=t.device)
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        shape = [1] * t.dim()
+        shape[dim] = size
+        offsets = offsets + torch.arange(size, dtype=torch.int64, device=t.device).view(shape) * stride
+    return offsets
+
+
+def _stochastic_bf16(x: Tensor, key: int) -> Tensor:
+    """fp32 ``x`` rounded to bf16 stochastically: 16 hashed bits added below the kept mantissa
+    carry into it with probability (x - down) / ulp. NaN and infinity stay as they are."""
+    bits = x.view(torch.int32).to(torch.int64) & _M32
+    random = hash32((_memory_offsets(x) & _M32) ^ key) & 0xFFFF
+    finite = (bits & 0x7F800000) != 0x7F800000
+    rounded = torch.where(finite, (bits + random) & 0xFFFF0000, bits)
+    rounded = torch.where(rounded >= 2**31, rounded - 2**32, rounded).to(torch.int32)
+    return rounded.view(torch.float32).to(torch.bfloat16)  # (exact: the low 16 bits are zero)
+
+
+def _read_param(p: Tensor, buf: Tensor, bf16_update: str, comp: Tensor | None) -> Tensor:
+    """The parameter in the update's dtype: p itself (fp32/fp64) or a widened copy, p + c for Kahan."""
+    if p.dtype == buf.dtype:
+        return p
+    param = p.to(buf.dtype)
+    return param.add_(comp) if bf16_update == "kahan" and p.dtype == torch.bfloat16 else param
+
+
+def _write_param(p: Tensor, param: Tensor, bf16_update: str, key: int | None, comp: Tensor | None) -> None:
+    """Write the updated ``param`` (update dtype) into ``p`` as ``bf16_update`` says."""
+    if param is p:
+        return
+    if p.dtype != torch.bfloat16 or bf16_update == "nearest":
+        p.copy_(param)
+    elif bf16_update == "stochastic":
+        p.copy_(_stochastic_bf16(param, key))
+    else:  # kahan
+        rounded = param.to(torch.bfloat16)
+        comp.copy_(param - rounded.to(param.dtype))  # exact in fp32, then rounded to bf16
+        p.copy_(rounded)
+
+
+def _rounding_of(params, bf16_update, rounding_keys, compensations):
+    """Per parameter: (key, compensation), checked as the compiled backends check them."""
+    if bf16_update not in BF16_UPDATES:
+        raise ValueError(f"bf16_update must be one of {BF16_UPDATES}, got {bf16_update!r}")
+    n = len(params)
+    if bf16_update != "nearest" and any(p.dtype != torch.bfloat16 for p in params):
+        raise TypeError("stochastic and Kahan rounding are for bf16 parameters")
+    keys = list(rounding_keys) if bf16_update == "stochastic" else [None] * n
+    comps = list(compensations) if bf16_update == "kahan" else [None] * n
+    if len(keys) != n or len(comps) != n:
+        raise ValueError(f"bf16_update={bf16_update!r} needs one rounding key or compensation per parameter")
+    return keys, comps
+
+
 def _window_grad(buf: Tensor, weight_sum: float, clip_coef: Tensor | None, maximize: bool) -> Tensor:
     """g = acc / W * c, negated for maximize (a new tensor; the buffer is left as it is)."""
     grad = buf / weight_sum
@@ -117,6 +202,9 @@ def sgd_update(
     weight: float = 1.0,
     overwrite: bool = False,
     grad_scale: Tensor | None = None,
+    bf16_update: str = "nearest",
+    rounding_keys: list[int] | None = None,
+    compensations: list[Tensor] | None = None,
 ) -> None:
     """SGD on the window gradient, as torch.optim.SGD:
 
@@ -128,10 +216,13 @@ def sgd_update(
 
     A None in ``momentum_buffers`` is replaced in the list by the new buffer (buffer dtype).
     ``grads``/``weight``/``overwrite``/``grad_scale``: the last micro-batch, folded in first.
+    ``bf16_update``/``rounding_keys``/``compensations``: how bf16 parameters are written (module
+    docstring).
     """
+    keys, comps = _rounding_of(params, bf16_update, rounding_keys, compensations)
     _fold_last_micro_batch(buffers, grads, weight, overwrite, grad_scale)
     for i, (p, buf) in enumerate(zip(params, buffers)):
-        param = p if p.dtype == buf.dtype else p.to(buf.dtype)
+        param = _read_param(p, buf, bf16_update, comps[i])
         grad = _window_grad(buf, weight_sum, clip_coef, maximize)
         if weight_decay != 0:
             grad = grad.add(param, alpha=weight_decay)
@@ -144,8 +235,7 @@ def sgd_update(
                 momentum_buf.mul_(momentum).add_(grad, alpha=1 - dampening)
             grad = grad.add(momentum_buf, alpha=momentum) if nesterov else momentum_buf
         param.add_(grad, alpha=-lr)
-        if param is not p:
-            p.copy_(param)
+        _write_param(p, param, bf16_update, keys[i], comps[i])
 
 
 def adam_update(
@@ -170,6 +260,9 @@ def adam_update(
     weight: float = 1.0,
     overwrite: bool = False,
     grad_scale: Tensor | None = None,
+    bf16_update: str = "nearest",
+    rounding_keys: list[int] | None = None,
+    compensations: list[Tensor] | None = None,
 ) -> None:
     """Adam / AdamW on the window gradient, as torch.optim.Adam(W); ``step`` is the update
     number after incrementing (1 on the first update), shared by all tensors of the call:
@@ -181,15 +274,16 @@ def adam_update(
         v_max <- max(v_max, v)                  if amsgrad (and v_max is used below)
         p <- p - lr / (1 - beta1^step) * m / (sqrt(v or v_max) / sqrt(1 - beta2^step) + eps)
 
-    ``max_exp_avg_sqs`` is empty unless ``amsgrad``.
+    ``max_exp_avg_sqs`` is empty unless ``amsgrad``. bf16 parameters are written as in sgd_update.
     """
+    keys, comps = _rounding_of(params, bf16_update, rounding_keys, compensations)
     _fold_last_micro_batch(buffers, grads, weight, overwrite, grad_scale)
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2**0.5
     for i, (p, buf) in enumerate(zip(params, buffers)):
-        param = p if p.dtype == buf.dtype else p.to(buf.dtype)
+        param = _read_param(p, buf, bf16_update, comps[i])
         grad = _window_grad(buf, weight_sum, clip_coef, maximize)
         exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
         if weight_decay != 0:
@@ -205,5 +299,4 @@ def adam_update(
         else:
             denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         param.addcdiv_(exp_avg, denom, value=-step_size)
-        if param is not p:
-            p.copy_(param)
+        _write_param(p, param, bf16_update, keys[i], comps[i])

@@ -44,6 +44,7 @@ from torch import Tensor
 from torch.autograd.graph import increment_version  # the kernels write through pointers autograd does not see
 
 from ._kernel_args import device_scalar, host_value
+from .reference import BF16_UPDATES
 from .reference import write_window_grads  # noqa: F401  (torch's foreach ops on every backend)
 
 from . import _FIX
@@ -359,6 +360,23 @@ def _update_inputs(device, layout: "_Layout", grads, grad_scale, clip_coef, plan
     return staged, grad_ptrs, aligned, dummy_f if scale is None else scale, dummy_f if clip is None else clip
 
 
+def _rounding(device, layout, params, bf16_update, rounding_keys, compensations):
+    """(ROUNDING, the compensation role of the table, the keys table) of an update call; checked
+    as the reference checks them."""
+    if bf16_update not in BF16_UPDATES:
+        raise ValueError(f"bf16_update must be one of {BF16_UPDATES}, got {bf16_update!r}")
+    rounding = BF16_UPDATES.index(bf16_update)
+    if rounding and params[0].dtype != torch.bfloat16:
+        raise TypeError("stochastic and Kahan rounding are for bf16 parameters")
+    comps = layout.read_write(compensations) if rounding == 2 else [None] * len(params)
+    keys = _dummy(device)[1]
+    if rounding == 1:
+        keys = _upload(torch.tensor(list(rounding_keys), dtype=torch.int64), device)
+    if len(comps) != len(params) or keys.numel() < (len(params) if rounding == 1 else 1):
+        raise ValueError(f"bf16_update={bf16_update!r} needs one rounding key or compensation per parameter")
+    return rounding, comps, keys
+
+
 def sgd_update(
     *,
     params: list[Tensor],
@@ -376,6 +394,9 @@ def sgd_update(
     weight: float = 1.0,
     overwrite: bool = False,
     grad_scale: Tensor | None = None,
+    bf16_update: str = "nearest",
+    rounding_keys: list[int] | None = None,
+    compensations: list[Tensor] | None = None,
 ) -> None:
     if not params:
         return
@@ -386,7 +407,8 @@ def sgd_update(
             sgd_update(params=_pick(params, idx), buffers=_pick(buffers, idx), momentum_buffers=part,
                        weight_sum=weight_sum, clip_coef=clip_coef, lr=lr, momentum=momentum, dampening=dampening,
                        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, grads=_pick(grads, idx),
-                       weight=weight, overwrite=overwrite, grad_scale=grad_scale)
+                       weight=weight, overwrite=overwrite, grad_scale=grad_scale, bf16_update=bf16_update,
+                       rounding_keys=_pick(rounding_keys, idx), compensations=_pick(compensations, idx))
             if momentum != 0:
                 for i, b in zip(idx, part):
                     momentum_buffers[i] = b
@@ -408,12 +430,13 @@ def sgd_update(
             moms[i] = b
         moms = layout.read_write(moms)
     params_k = layout.read_write(params)
-    plan = _plan(device, [buffers, params_k, moms], flags)
+    rounding, comps, keys = _rounding(device, layout, params, bf16_update, rounding_keys, compensations)
+    plan = _plan(device, [buffers, params_k, moms, comps], flags)
     staged, grad_ptrs, aligned, scale, clip = _update_inputs(device, layout, grads, grad_scale, clip_coef, plan)
     if plan.n_chunks:
-        _launch(K.sgd_kernel, plan.n_chunks, plan.chunks, plan.meta, grad_ptrs,
+        _launch(K.sgd_kernel, plan.n_chunks, plan.chunks, plan.meta, grad_ptrs, keys,
                 scale, clip, float(weight), float(weight_sum), -host_value(lr), float(momentum), float(1 - dampening),
-                float(weight_decay),
+                float(weight_decay), ROUNDING=rounding,
                 P_DTYPE=_TL_DTYPES[params[0].dtype],
                 G_DTYPE=_TL_DTYPES[grads[0].dtype] if grads is not None else tl.float32,
                 FUSE=grads is not None, OVERWRITE=bool(overwrite) and grads is not None,
@@ -422,7 +445,8 @@ def sgd_update(
                 HAS_MOMENTUM=has_momentum, NESTEROV=bool(nesterov) and has_momentum, MAXIMIZE=bool(maximize),
                 ALIGNED=aligned, META=plan.width, CHUNK=plan.chunk, BLOCK=plan.block)
     layout.finish()
-    increment_version(params + [b for b in momentum_buffers if b is not None])
+    increment_version(params + [b for b in momentum_buffers if b is not None]
+                      + (compensations if rounding == 2 else []))
 
 
 def adam_update(
@@ -447,6 +471,9 @@ def adam_update(
     weight: float = 1.0,
     overwrite: bool = False,
     grad_scale: Tensor | None = None,
+    bf16_update: str = "nearest",
+    rounding_keys: list[int] | None = None,
+    compensations: list[Tensor] | None = None,
 ) -> None:
     if not params:
         return
@@ -459,7 +486,8 @@ def adam_update(
                         weight_sum=weight_sum, clip_coef=clip_coef, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         decoupled_weight_decay=decoupled_weight_decay, grads=_pick(grads, idx), weight=weight,
-                        overwrite=overwrite, grad_scale=grad_scale)
+                        overwrite=overwrite, grad_scale=grad_scale, bf16_update=bf16_update,
+                        rounding_keys=_pick(rounding_keys, idx), compensations=_pick(compensations, idx))
         return
     device = buffers[0].device
     _check(device, params[0].dtype, "parameters")
@@ -475,18 +503,20 @@ def adam_update(
     has_wd = weight_decay != 0
     decay_factor = 1 - lr * weight_decay if decoupled_weight_decay and has_wd else 1.0
     maxes = layout.read_write(max_exp_avg_sqs) if amsgrad else [None] * len(params)
+    rounding, comps, keys = _rounding(device, layout, params, bf16_update, rounding_keys, compensations)
     plan = _plan(device, [buffers, layout.read_write(params), layout.read_write(exp_avgs),
-                          layout.read_write(exp_avg_sqs), maxes])
+                          layout.read_write(exp_avg_sqs), maxes, comps])
     staged, grad_ptrs, aligned, scale, clip = _update_inputs(device, layout, grads, grad_scale, clip_coef, plan)
     if plan.n_chunks:
-        _launch(K.adam_kernel, plan.n_chunks, plan.chunks, plan.meta, grad_ptrs,
+        _launch(K.adam_kernel, plan.n_chunks, plan.chunks, plan.meta, grad_ptrs, keys,
                 scale, clip, float(weight), float(weight_sum), host_value(decay_factor), float(weight_decay), float(1 - beta1),
                 float(beta2), float(1 - beta2), float(bias_correction2_sqrt), float(eps), -host_value(step_size),
-                P_DTYPE=_TL_DTYPES[params[0].dtype],
+                ROUNDING=rounding, P_DTYPE=_TL_DTYPES[params[0].dtype],
                 G_DTYPE=_TL_DTYPES[grads[0].dtype] if grads is not None else tl.float32,
                 FUSE=grads is not None, OVERWRITE=bool(overwrite) and grads is not None,
                 HAS_SCALE=grads is not None and grad_scale is not None, HAS_CLIP=clip_coef is not None, HAS_WD=has_wd,
                 DECOUPLED=bool(decoupled_weight_decay), AMSGRAD=bool(amsgrad), MAXIMIZE=bool(maximize),
                 ALIGNED=aligned, META=plan.width, CHUNK=plan.chunk, BLOCK=plan.block)
     layout.finish()
-    increment_version(params + exp_avgs + exp_avg_sqs + (max_exp_avg_sqs if amsgrad else []))
+    increment_version(params + exp_avgs + exp_avg_sqs + (max_exp_avg_sqs if amsgrad else [])
+                      + (compensations if rounding == 2 else []))

@@ -10,6 +10,7 @@
 //   window_norms  reads acc
 //   sgd           reads [g], acc (unless fold+overwrite), p, [b]      writes p, [b]
 //   adam          reads [g], acc (idem), p, m, v, [v_max]              writes p, m, v, [v_max]
+//   (both updates with Kahan rounding of bf16 parameters also read and write c, 2 B)
 // The accumulation buffer is not written by an update with a fused last micro-batch: it is dead
 // once the window closes (the next window overwrites it), and the write would cost 4 B/param.
 #ifndef CPU_CAPABILITY
@@ -30,6 +31,7 @@
 
 #include <algorithm>
 #include <tuple>
+#include <type_traits>
 
 namespace accum_fused {
 namespace {
@@ -306,6 +308,69 @@ struct WindowGrad {
   }
 };
 
+// The parameter of an update, read and written as the call's rounding says (math.h): nearest,
+// stochastic (16 hashed bits per element), or Kahan (the parameter is p + c; p is written
+// rounded to nearest and c keeps the remainder, x - p, exact in fp32, rounded to bf16). Only
+// bf16 parameters round otherwise than to nearest (the binding checks).
+template <class P>
+struct ParamIO {
+  P* param;
+  BFloat16* comp;  // kRoundKahan only
+  uint32_t key;
+  ParamRounding rounding;
+
+  ParamIO(const TensorEntry& t, ParamRounding r)
+      : param(static_cast<P*>(t.ptr[kParam])), comp(static_cast<BFloat16*>(t.ptr[kComp])), key(t.rounding_key),
+        rounding(r) {}
+
+  inline void read(int64_t i, VF& p0, VF& p1) const {
+    load2(param + i, p0, p1);
+    if (rounding == kRoundKahan) {
+      VF c0, c1;
+      load2(comp + i, c0, c1);
+      p0 = p0 + c0;
+      p1 = p1 + c1;
+    }
+  }
+  inline void write(int64_t i, VF p0, VF p1) const {
+    if constexpr (std::is_same_v<P, BFloat16>) {
+      if (rounding == kRoundStochastic) {
+        float lanes[kStep];
+        p0.store(lanes);
+        p1.store(lanes + kF);
+        for (int64_t j = 0; j < kStep; ++j) lanes[j] = af_bf16_stochastic(lanes[j], key, i + j);
+        store2(param + i, VF::loadu(lanes), VF::loadu(lanes + kF));  // (exact: low bits are zero)
+        return;
+      }
+      if (rounding == kRoundKahan) {
+        const Vectorized<BFloat16> rounded = at::vec::convert_float_bfloat16(p0, p1);
+        rounded.store(param + i);
+        VF q0, q1;
+        std::tie(q0, q1) = at::vec::convert_bfloat16_float(rounded);
+        store2(comp + i, p0 - q0, p1 - q1);
+        return;
+      }
+    }
+    store2(param + i, p0, p1);
+  }
+  inline float read1(int64_t i) const {
+    const float p = load1(param + i);
+    return rounding == kRoundKahan ? p + load1(comp + i) : p;
+  }
+  inline void write1(int64_t i, float p) const {
+    if constexpr (std::is_same_v<P, BFloat16>) {
+      if (rounding == kRoundStochastic) p = af_bf16_stochastic(p, key, i);
+      if (rounding == kRoundKahan) {
+        const BFloat16 rounded(p);
+        param[i] = rounded;
+        store1(comp + i, p - static_cast<float>(rounded));
+        return;
+      }
+    }
+    store1(param + i, p);
+  }
+};
+
 // Calls body.template run<P, G, kFold, kOverwrite>() for the call's types and fold mode.
 template <class Body>
 void dispatch_update(DType param_dtype, const FoldScalars& fold, Body&& body) {
@@ -330,25 +395,25 @@ void sgd_chunk(const TensorEntry& t, int64_t begin, int64_t end, const FoldScala
   const WindowGrad<G, kFold, kOverwrite> source(t, fold, window, clip_coef);
   const SgdCoef<VF> kv(s);
   const SgdCoef<float> ks(s);
-  P* param = static_cast<P*>(t.ptr[kParam]);
+  const ParamIO<P> param(t, window.rounding);
   float* momentum = static_cast<float*>(t.ptr[kState0]);  // null without momentum
   const bool first = (t.flags & kFirstMomentum) != 0;
   int64_t i = begin;
   for (; i + kStep <= end; i += kStep) {
     VF g0, g1, p0, p1, b0(0.0f), b1(0.0f);
     source.vec(i, g0, g1);
-    load2(param + i, p0, p1);
+    param.read(i, p0, p1);
     if (s.has_momentum && !first) load2(momentum + i, b0, b1);
     af_sgd(p0, b0, g0, first, kv);
     af_sgd(p1, b1, g1, first, kv);
-    store2(param + i, p0, p1);
+    param.write(i, p0, p1);
     if (s.has_momentum) store2(momentum + i, b0, b1);
   }
   for (; i < end; ++i) {
-    float p = load1(param + i);
+    float p = param.read1(i);
     float b = (s.has_momentum && !first) ? momentum[i] : 0.0f;
     af_sgd(p, b, source.scalar(i), first, ks);
-    store1(param + i, p);
+    param.write1(i, p);
     if (s.has_momentum) momentum[i] = b;
   }
 }
@@ -380,7 +445,7 @@ void adam_chunk(const TensorEntry& t, int64_t begin, int64_t end, const FoldScal
   const WindowGrad<G, kFold, kOverwrite> source(t, fold, window, clip_coef);
   const AdamCoef<VF> kv(s);
   const AdamCoef<float> ks(s);
-  P* param = static_cast<P*>(t.ptr[kParam]);
+  const ParamIO<P> param(t, window.rounding);
   float* exp_avg = static_cast<float*>(t.ptr[kState0]);
   float* exp_avg_sq = static_cast<float*>(t.ptr[kState1]);
   float* max_exp_avg_sq = static_cast<float*>(t.ptr[kState2]);  // null without amsgrad
@@ -388,23 +453,23 @@ void adam_chunk(const TensorEntry& t, int64_t begin, int64_t end, const FoldScal
   for (; i + kStep <= end; i += kStep) {
     VF g0, g1, p0, p1, m0, m1, v0, v1, x0(0.0f), x1(0.0f);
     source.vec(i, g0, g1);
-    load2(param + i, p0, p1);
+    param.read(i, p0, p1);
     load2(exp_avg + i, m0, m1);
     load2(exp_avg_sq + i, v0, v1);
     if (s.amsgrad) load2(max_exp_avg_sq + i, x0, x1);
     af_adam(p0, m0, v0, x0, g0, kv);
     af_adam(p1, m1, v1, x1, g1, kv);
-    store2(param + i, p0, p1);
+    param.write(i, p0, p1);
     store2(exp_avg + i, m0, m1);
     store2(exp_avg_sq + i, v0, v1);
     if (s.amsgrad) store2(max_exp_avg_sq + i, x0, x1);
   }
   for (; i < end; ++i) {
-    float p = load1(param + i);
+    float p = param.read1(i);
     float m = exp_avg[i], v = exp_avg_sq[i];
     float x = s.amsgrad ? max_exp_avg_sq[i] : 0.0f;
     af_adam(p, m, v, x, source.scalar(i), ks);
-    store1(param + i, p);
+    param.write1(i, p);
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
     if (s.amsgrad) max_exp_avg_sq[i] = x;

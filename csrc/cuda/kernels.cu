@@ -285,6 +285,54 @@ struct WindowGrad {
   }
 };
 
+// The parameter of an update, read and written as the call's rounding says (see math.h and
+// the CPU kernels' ParamIO): nearest, stochastic, or Kahan (p + c, c in slot kComp).
+template <class P>
+struct ParamIO {
+  static __device__ __forceinline__ void read8(const TensorEntry& e, int64_t i, ParamRounding r, float (&p)[kVec]) {
+    Io<P>::load8(static_cast<const P*>(e.ptr[kParam]) + i, p);
+    if (r == kRoundKahan) {
+      float c[kVec];
+      Io<__nv_bfloat16>::load8(static_cast<const __nv_bfloat16*>(e.ptr[kComp]) + i, c);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) p[j] += c[j];
+    }
+  }
+  static __device__ __forceinline__ void write8(const TensorEntry& e, int64_t i, ParamRounding r, float (&p)[kVec]) {
+    if constexpr (std::is_same<P, __nv_bfloat16>::value) {
+      if (r == kRoundStochastic) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) p[j] = af_bf16_stochastic(p[j], e.rounding_key, i + j);
+      } else if (r == kRoundKahan) {
+        float c[kVec];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const float rounded = __bfloat162float(__float2bfloat16_rn(p[j]));
+          c[j] = p[j] - rounded;
+          p[j] = rounded;
+        }
+        Io<__nv_bfloat16>::store8(static_cast<__nv_bfloat16*>(e.ptr[kComp]) + i, c);
+      }
+    }
+    Io<P>::store8(static_cast<P*>(e.ptr[kParam]) + i, p);
+  }
+  static __device__ __forceinline__ float read1(const TensorEntry& e, int64_t i, ParamRounding r) {
+    const float p = Io<P>::load1(static_cast<const P*>(e.ptr[kParam]) + i);
+    return r == kRoundKahan ? p + Io<__nv_bfloat16>::load1(static_cast<const __nv_bfloat16*>(e.ptr[kComp]) + i) : p;
+  }
+  static __device__ __forceinline__ void write1(const TensorEntry& e, int64_t i, ParamRounding r, float p) {
+    if constexpr (std::is_same<P, __nv_bfloat16>::value) {
+      if (r == kRoundStochastic) p = af_bf16_stochastic(p, e.rounding_key, i);
+      if (r == kRoundKahan) {
+        const float rounded = __bfloat162float(__float2bfloat16_rn(p));
+        Io<__nv_bfloat16>::store1(static_cast<__nv_bfloat16*>(e.ptr[kComp]) + i, p - rounded);
+        p = rounded;
+      }
+    }
+    Io<P>::store1(static_cast<P*>(e.ptr[kParam]) + i, p);
+  }
+};
+
 template <class P, class G, bool kFold, bool kOverwrite>
 struct SgdOp {
   WindowGrad<G, kFold, kOverwrite> source;
@@ -299,9 +347,8 @@ struct SgdOp {
     const bool first = (e.flags & kFirstMomentum) != 0;
     float g[kVec], p[kVec], b[kVec];
     source.vec(e, i, g);
-    P* param = static_cast<P*>(e.ptr[kParam]) + i;
     float* momentum = static_cast<float*>(e.ptr[kState0]) + i;
-    Io<P>::load8(param, p);
+    ParamIO<P>::read8(e, i, source.window.rounding, p);
     if (s.has_momentum && !first) {
       Io<float>::load8(momentum, b);
     } else {
@@ -310,17 +357,16 @@ struct SgdOp {
     }
 #pragma unroll
     for (int j = 0; j < kVec; ++j) af_sgd(p[j], b[j], g[j], first, k);
-    Io<P>::store8(param, p);
+    ParamIO<P>::write8(e, i, source.window.rounding, p);
     if (s.has_momentum) Io<float>::store8(momentum, b);
   }
   __device__ __forceinline__ void scalar(const TensorEntry& e, int64_t i) {
     const bool first = (e.flags & kFirstMomentum) != 0;
-    P* param = static_cast<P*>(e.ptr[kParam]) + i;
     float* momentum = static_cast<float*>(e.ptr[kState0]) + i;
-    float p = Io<P>::load1(param);
+    float p = ParamIO<P>::read1(e, i, source.window.rounding);
     float b = (s.has_momentum && !first) ? *momentum : 0.0f;
     af_sgd(p, b, source.scalar(e, i), first, k);
-    Io<P>::store1(param, p);
+    ParamIO<P>::write1(e, i, source.window.rounding, p);
     if (s.has_momentum) *momentum = b;
   }
   __device__ __forceinline__ void finish(int64_t) {}
@@ -339,11 +385,10 @@ struct AdamOp {
   __device__ __forceinline__ void vec(const TensorEntry& e, int64_t i) {
     float g[kVec], p[kVec], m[kVec], v[kVec], x[kVec];
     source.vec(e, i, g);
-    P* param = static_cast<P*>(e.ptr[kParam]) + i;
     float* exp_avg = static_cast<float*>(e.ptr[kState0]) + i;
     float* exp_avg_sq = static_cast<float*>(e.ptr[kState1]) + i;
     float* max_exp_avg_sq = static_cast<float*>(e.ptr[kState2]) + i;
-    Io<P>::load8(param, p);
+    ParamIO<P>::read8(e, i, source.window.rounding, p);
     Io<float>::load8(exp_avg, m);
     Io<float>::load8(exp_avg_sq, v);
     if (s.amsgrad) {
@@ -354,19 +399,18 @@ struct AdamOp {
     }
 #pragma unroll
     for (int j = 0; j < kVec; ++j) af_adam(p[j], m[j], v[j], x[j], g[j], k);
-    Io<P>::store8(param, p);
+    ParamIO<P>::write8(e, i, source.window.rounding, p);
     Io<float>::store8(exp_avg, m);
     Io<float>::store8(exp_avg_sq, v);
     if (s.amsgrad) Io<float>::store8(max_exp_avg_sq, x);
   }
   __device__ __forceinline__ void scalar(const TensorEntry& e, int64_t i) {
-    P* param = static_cast<P*>(e.ptr[kParam]) + i;
     float* exp_avg = static_cast<float*>(e.ptr[kState0]) + i;
     float* exp_avg_sq = static_cast<float*>(e.ptr[kState1]) + i;
     float* max_exp_avg_sq = static_cast<float*>(e.ptr[kState2]) + i;
-    float p = Io<P>::load1(param), m = *exp_avg, v = *exp_avg_sq, x = s.amsgrad ? *max_exp_avg_sq : 0.0f;
+    float p = ParamIO<P>::read1(e, i, source.window.rounding), m = *exp_avg, v = *exp_avg_sq, x = s.amsgrad ? *max_exp_avg_sq : 0.0f;
     af_adam(p, m, v, x, source.scalar(e, i), k);
-    Io<P>::store1(param, p);
+    ParamIO<P>::write1(e, i, source.window.rounding, p);
     *exp_avg = m;
     *exp_avg_sq = v;
     if (s.amsgrad) *max_exp_avg_sq = x;
