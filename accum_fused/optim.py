@@ -103,6 +103,13 @@ class _Bf16Rounding:
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # (a torch.optim state_dict's groups lack it: the constructor's)
             group.setdefault("bf16_update", self.defaults["bf16_update"])
+        # torch's load casts every state tensor but "step" to its parameter's floating dtype:
+        # the int64 seeds are taken from the state_dict as they were saved.
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for i, p in zip(saved_ids, self._all_params()):
+            seed = state_dict["state"].get(i, {}).get("bf16_rounding_seed")
+            if seed is not None:
+                self.state[p]["bf16_rounding_seed"] = seed.detach().to(torch.int64, copy=True)
 
     def _init_rounding_state(self, group, params: list[Tensor]) -> str:
         """Create the rounding state of the group's bf16 ``params`` that lack it; returns the

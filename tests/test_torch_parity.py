@@ -151,7 +151,7 @@ def test_is_a_torch_optimizer_with_torch_defaults(backend, name):
 
 @pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW"])
 def test_constructor_signature_extends_torch(name):
-    """torch's arguments with torch's kinds and defaults, plus five keyword-only additions."""
+    """torch's arguments with torch's kinds and defaults, plus six keyword-only additions."""
     ours_cls, torch_cls = OPTIMIZERS[name]
     ours = inspect.signature(ours_cls.__init__).parameters
     ref = inspect.signature(torch_cls.__init__).parameters
@@ -166,6 +166,7 @@ def test_constructor_signature_extends_torch(name):
         "backend": (inspect.Parameter.KEYWORD_ONLY, "auto"),
         "process_group": (inspect.Parameter.KEYWORD_ONLY, None),
         "in_backward": (inspect.Parameter.KEYWORD_ONLY, False),
+        "bf16_update": (inspect.Parameter.KEYWORD_ONLY, "nearest"),
     }
     step = inspect.signature(ours_cls.step).parameters
     assert list(step) == ["self", "closure", "weight"]
