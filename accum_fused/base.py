@@ -26,7 +26,7 @@ from . import backends, checkpoint, ddp, distributed, in_backward as hooks
 from .checkpoint import called_from_torch_checkpoint
 from .integrations import guard
 from .layout import is_dtensor, kernel_view, state_dtype
-from .window import Window
+from .window import Window, WindowListeners
 
 
 def _check_weight(weight) -> float:
@@ -96,6 +96,7 @@ class AccumulatingOptimizer:
         self._closed = False
         self._backends = {}  # (backend name, device, dtype) -> backend module (_backend_for)
         self._fast_path = None  # in_backward's extension hooks (in_backward.FastPath)
+        self._window_listeners = WindowListeners()  # told when a window ends (accum_fused.nn.window_batchnorm)
         name, params = type(self).__name__, self._all_params()
         mesh = self._check_params(params)
         # FSDP2 (DTensor parameters): the ranks of the mesh agree once per window (ShardSync).
@@ -309,7 +310,7 @@ class AccumulatingOptimizer:
         if (getattr(self, "in_backward", False) and self.accumulation_steps == 1
                 and not called_from_torch_checkpoint("_init_optim_state")):  # clearing its own zero grads
             hooks.check_not_in_backward(self, "zero_grad()")
-            self._window.discard()
+            self._window.abandon(self)
 
     def close(self) -> None:
         """Stop taking gradients: with in_backward, the hooks on the parameters go (their

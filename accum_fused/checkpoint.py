@@ -69,6 +69,7 @@ def restore_defaults(attrs: dict[str, Any]) -> None:
     attrs.setdefault("_closed", False)
     attrs.setdefault("_backends", {})  # a cache, rebuilt on use
     attrs.setdefault("_fast_path", None)
+    attrs.setdefault("_window_listeners", [])  # a copy carries none (window.window_listeners types it)
 
 
 # ------------------------------------------------------------------------------ saving

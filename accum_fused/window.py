@@ -9,7 +9,9 @@ replicas, ``shards``: FSDP2). Its verbs: ``add_micro_batch`` (a whole micro-batc
 ``begin_micro_batch`` / ``accumulate_one`` / ``write_one`` / ``adopt`` / ``mark_written`` /
 ``finish_micro_batch`` (one arriving parameter at a time, from in_backward.py's hooks),
 ``close`` (sync -> found-inf -> clip -> update, for plain, synchronised and sharded windows
-alike), ``discard``.
+alike), ``discard``, ``abandon`` (discard a window that held something, without closing it).
+Whoever must learn that a window ended (accum_fused.nn's BatchNorm statistics) registers on the
+optimizer's ``_window_listeners`` (``WindowListeners``): close and abandon tell them.
 
 Must not: read ``.grad`` or touch hooks (the optimizer and in_backward.py hand gradients in),
 or do per-element math (backends do). It asks its optimizer, passed to the verbs that need it,
@@ -42,6 +44,19 @@ _WEIGHT_HEADROOM = 64
 
 def _weight_band(weight: float) -> int:
     return _WEIGHT_BAND * math.floor(math.frexp(weight)[1] / _WEIGHT_BAND)
+
+
+class WindowListeners(list):
+    """The optimizer's ``_window_listeners``: objects told, in order, when its window ends.
+    ``window_closed(opt, applied)``: the window closed (``applied``: an update was applied;
+    False: skipped for non-finite gradients, or empty); with a process_group every rank closes
+    it together, so a listener may run a collective there. ``window_discarded(opt)``: a window
+    that held micro-batches was emptied without closing (a failed backward pass that cannot be
+    taken back out, mode A's ``zero_grad()``). A copy of the optimizer (deepcopy, pickle) starts
+    with none: listeners belong to a model, and a copy must not carry the model along."""
+
+    def __reduce__(self):
+        return type(self), ()
 
 
 class Window:
@@ -312,15 +327,18 @@ class Window:
         # An empty window (no gradient anywhere: no micro-batch on any rank, or only None grads)
         # is not an update, as torch.optim's step without gradients changes nothing.
         applied = not skip and weight_sum > 0 and bool(self.live or last_pairs)
+        closed = False
         try:
             if applied:
                 if opt.max_grad_norm is not None and clip_coef is None:
                     clip_coef = self._clip_coefficient(opt, weight_sum, norms or {})
                 opt._apply_window(dict(last_pairs), last_weight, grad_scale, weight_sum, clip_coef)
                 self.update_count += 1
+            closed = True
         finally:
             self.discard()
             ddp.window_closed(opt)
+            _tell_listeners(opt, closed, applied)  # (an update that raised: the window is lost)
         self.updated = applied
         return applied
 
@@ -328,15 +346,18 @@ class Window:
         """Close a window whose last micro-batch updated the parameters in ``done`` inside their
         in-backward hooks; the window's other live parameters (no gradient in that micro-batch)
         are updated here."""
+        closed = False
         try:
             self.live -= done
             if self.live:
                 opt._apply_window({}, weight, None, weight_sum, None)
             self.updated = bool(done or self.live)
             self.update_count += self.updated
+            closed = True
         finally:
             self.discard()
             ddp.window_closed(opt)
+            _tell_listeners(opt, closed, closed and self.updated)
 
     def discard(self) -> None:
         """Empty the window (counters of past updates stay; buffers stay allocated, stale)."""
@@ -347,6 +368,16 @@ class Window:
         self.late_weights.clear()
         self.grads_held = False
         self.micro_step, self.weight_sum, self.weight_shift, self.found_inf = 0, 0.0, 0, None
+
+    def abandon(self, opt) -> None:
+        """Give the open window up without closing it (mode A's zero_grad(), a failed backward
+        pass that cannot be taken back out): discarded, and, when it held micro-batches, the
+        optimizer's listeners told. An empty window is not told about: mode A's zero_grad()
+        between a forward and its backward (a common loop) gives nothing up."""
+        held = self.micro_step > 0 or bool(self.live)
+        self.discard()
+        if held:
+            _tell_listeners(opt, closed=False)
 
     def _agree(self, opt, flushing: bool) -> tuple[float, bool, Tensor | None]:
         """(the window's divisor, skip it, clip coefficient when already known)."""
@@ -394,3 +425,22 @@ class Window:
         total_norm = torch.linalg.vector_norm(torch.stack([norms[p].to(live[0].device) for p in live]))
         self.last_grad_norm = total_norm
         return torch.clamp(opt.max_grad_norm / (total_norm + 1e-6), max=1.0)
+
+
+def window_listeners(opt) -> WindowListeners:
+    """``opt._window_listeners``, to register on. A copy of an optimizer (or one pickled before
+    listeners) may have a plain list (checkpoint.restore_defaults): it becomes a WindowListeners
+    here, so that copies of the copy carry no listener either."""
+    listeners = opt._window_listeners
+    if type(listeners) is not WindowListeners:
+        listeners = opt._window_listeners = WindowListeners(listeners)
+    return listeners
+
+
+def _tell_listeners(opt, closed: bool, applied: bool = False) -> None:
+    """The window ended: closed (``applied`` or not) or given up; see WindowListeners."""
+    for listener in list(getattr(opt, "_window_listeners", ())):
+        if closed:
+            listener.window_closed(opt, applied)
+        else:
+            listener.window_discarded(opt)
