@@ -289,12 +289,19 @@ def test_kernels_compile_for_cuda(tmp_path):
                            dict(G_DTYPE=tl.bfloat16, OVERWRITE=False, HAS_SCALE=True, NORM=True, META=5, **tables)),
             "sumsq": (K.sumsq_kernel, (I64, I64, F32, 3.0), dict(META=5, **tables)),
             "norm_finish": (K.norm_finish_kernel, (I64, F32, F32), dict(META=5, BLOCK=K.FINISH_BLOCK)),
-            "sgd": (K.sgd_kernel, (I64, I64, I64, F32, F32) + (0.5,) * 6,
-                    dict(P_DTYPE=tl.bfloat16, G_DTYPE=tl.float16, HAS_MOMENTUM=True, NESTEROV=True, META=7,
-                         **update, **tables)),
-            "adam": (K.adam_kernel, (I64, I64, I64, F32, F32) + (0.5,) * 10,
-                     dict(P_DTYPE=tl.float16, G_DTYPE=tl.bfloat16, DECOUPLED=True, AMSGRAD=True, META=9,
-                          **update, **tables)),
+            "sgd": (K.sgd_kernel, (I64, I64, I64, I64, F32, F32) + (0.5,) * 6,
+                    dict(ROUNDING=0, P_DTYPE=tl.bfloat16, G_DTYPE=tl.float16, HAS_MOMENTUM=True, NESTEROV=True,
+                         META=8, **update, **tables)),
+            "adam": (K.adam_kernel, (I64, I64, I64, I64, F32, F32) + (0.5,) * 10,
+                     dict(ROUNDING=0, P_DTYPE=tl.float16, G_DTYPE=tl.bfloat16, DECOUPLED=True, AMSGRAD=True,
+                          META=10, **update, **tables)),
+            # bf16_update: stochastic (uint32 hash arithmetic) and Kahan (the compensation column)
+            "sgd_stochastic": (K.sgd_kernel, (I64, I64, I64, I64, F32, F32) + (0.5,) * 6,
+                               dict(ROUNDING=1, P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, HAS_MOMENTUM=True,
+                                    NESTEROV=False, META=8, **update, **tables)),
+            "adam_kahan": (K.adam_kernel, (I64, I64, I64, I64, F32, F32) + (0.5,) * 10,
+                           dict(ROUNDING=2, P_DTYPE=tl.bfloat16, G_DTYPE=tl.float32, DECOUPLED=True, AMSGRAD=False,
+                                META=10, **update, **tables)),
         }
         out = {}
         for arch in (80, 90):
@@ -317,7 +324,7 @@ def test_kernels_compile_for_cuda(tmp_path):
         pytest.skip("Triton's CUDA toolchain (ptxas) is not installed")
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(report) == 10
+    assert len(report) == 14
     for name, found in report.items():
         assert found["approx"] == 0, (name, found)  # correctly rounded div and sqrt
         if name.startswith(("accumulate", "sumsq")):
