@@ -308,24 +308,23 @@ struct WindowGrad {
   }
 };
 
-// The parameter of an update, read and written as the call's rounding says (math.h): nearest,
+// The parameter of an update, read and written as the call's rounding R says (math.h): nearest,
 // stochastic (16 hashed bits per element), or Kahan (the parameter is p + c; p is written
-// rounded to nearest and c keeps the remainder, x - p, exact in fp32, rounded to bf16). Only
-// bf16 parameters round otherwise than to nearest (the binding checks).
-template <class P>
+// rounded to nearest and c keeps the remainder, x - p, exact in fp32, rounded to bf16). R is a
+// template argument, so the nearest path is the plain load/store it always was; only bf16
+// parameters are instantiated with the other two (dispatch_update).
+template <class P, ParamRounding R>
 struct ParamIO {
   P* param;
   BFloat16* comp;  // kRoundKahan only
-  uint32_t key;
-  ParamRounding rounding;
+  uint32_t key;    // kRoundStochastic only
 
-  ParamIO(const TensorEntry& t, ParamRounding r)
-      : param(static_cast<P*>(t.ptr[kParam])), comp(static_cast<BFloat16*>(t.ptr[kComp])), key(t.rounding_key),
-        rounding(r) {}
+  explicit ParamIO(const TensorEntry& t)
+      : param(static_cast<P*>(t.ptr[kParam])), comp(static_cast<BFloat16*>(t.ptr[kComp])), key(t.rounding_key) {}
 
   inline void read(int64_t i, VF& p0, VF& p1) const {
     load2(param + i, p0, p1);
-    if (rounding == kRoundKahan) {
+    if constexpr (R == kRoundKahan) {
       VF c0, c1;
       load2(comp + i, c0, c1);
       p0 = p0 + c0;
@@ -333,69 +332,74 @@ struct ParamIO {
     }
   }
   inline void write(int64_t i, VF p0, VF p1) const {
-    if constexpr (std::is_same_v<P, BFloat16>) {
-      if (rounding == kRoundStochastic) {
-        float lanes[kStep];
-        p0.store(lanes);
-        p1.store(lanes + kF);
-        for (int64_t j = 0; j < kStep; ++j) lanes[j] = af_bf16_stochastic(lanes[j], key, i + j);
-        store2(param + i, VF::loadu(lanes), VF::loadu(lanes + kF));  // (exact: low bits are zero)
-        return;
-      }
-      if (rounding == kRoundKahan) {
-        const Vectorized<BFloat16> rounded = at::vec::convert_float_bfloat16(p0, p1);
-        rounded.store(param + i);
-        VF q0, q1;
-        std::tie(q0, q1) = at::vec::convert_bfloat16_float(rounded);
-        store2(comp + i, p0 - q0, p1 - q1);
-        return;
-      }
+    if constexpr (R == kRoundStochastic) {
+      float lanes[kStep];
+      p0.store(lanes);
+      p1.store(lanes + kF);
+      for (int64_t j = 0; j < kStep; ++j) lanes[j] = af_bf16_stochastic(lanes[j], key, i + j);
+      store2(param + i, VF::loadu(lanes), VF::loadu(lanes + kF));  // (exact: low bits are zero)
+    } else if constexpr (R == kRoundKahan) {
+      const Vectorized<BFloat16> rounded = at::vec::convert_float_bfloat16(p0, p1);
+      rounded.store(param + i);
+      VF q0, q1;
+      std::tie(q0, q1) = at::vec::convert_bfloat16_float(rounded);
+      store2(comp + i, p0 - q0, p1 - q1);
+    } else {
+      store2(param + i, p0, p1);
     }
-    store2(param + i, p0, p1);
   }
   inline float read1(int64_t i) const {
     const float p = load1(param + i);
-    return rounding == kRoundKahan ? p + load1(comp + i) : p;
+    if constexpr (R == kRoundKahan) return p + load1(comp + i);
+    return p;
   }
   inline void write1(int64_t i, float p) const {
-    if constexpr (std::is_same_v<P, BFloat16>) {
-      if (rounding == kRoundStochastic) p = af_bf16_stochastic(p, key, i);
-      if (rounding == kRoundKahan) {
-        const BFloat16 rounded(p);
-        param[i] = rounded;
-        store1(comp + i, p - static_cast<float>(rounded));
-        return;
-      }
+    if constexpr (R == kRoundStochastic) {
+      store1(param + i, af_bf16_stochastic(p, key, i));
+    } else if constexpr (R == kRoundKahan) {
+      const BFloat16 rounded(p);
+      param[i] = rounded;
+      store1(comp + i, p - static_cast<float>(rounded));
+    } else {
+      store1(param + i, p);
     }
-    store1(param + i, p);
   }
 };
 
-// Calls body.template run<P, G, kFold, kOverwrite>() for the call's types and fold mode.
+// Calls body.template run<P, G, kFold, kOverwrite, R>() for the call's types, fold mode and
+// bf16 rounding (other parameter dtypes: nearest only).
 template <class Body>
-void dispatch_update(DType param_dtype, const FoldScalars& fold, Body&& body) {
+void dispatch_update(DType param_dtype, ParamRounding rounding, const FoldScalars& fold, Body&& body) {
   dispatch_dtype(param_dtype, [&](auto ptag) {
     using P = typename decltype(ptag)::type;
-    if (!fold.present) {
-      body.template run<P, float, false, false>();
-      return;
-    }
-    dispatch_dtype(fold.grad_dtype, [&](auto gtag) {
-      using G = typename decltype(gtag)::type;
-      dispatch_bool(fold.accum.overwrite, [&](auto overwrite) {
-        body.template run<P, G, true, decltype(overwrite)::value>();
+    const auto with_fold = [&](auto rtag) {
+      constexpr ParamRounding R = decltype(rtag)::value;
+      if (!fold.present) {
+        body.template run<P, float, false, false, R>();
+        return;
+      }
+      dispatch_dtype(fold.grad_dtype, [&](auto gtag) {
+        using G = typename decltype(gtag)::type;
+        dispatch_bool(fold.accum.overwrite, [&](auto overwrite) {
+          body.template run<P, G, true, decltype(overwrite)::value, R>();
+        });
       });
-    });
+    };
+    if constexpr (std::is_same_v<P, BFloat16>) {
+      if (rounding == kRoundStochastic) return with_fold(std::integral_constant<ParamRounding, kRoundStochastic>{});
+      if (rounding == kRoundKahan) return with_fold(std::integral_constant<ParamRounding, kRoundKahan>{});
+    }
+    with_fold(std::integral_constant<ParamRounding, kRoundNearest>{});
   });
 }
 
-template <class P, class G, bool kFold, bool kOverwrite>
+template <class P, class G, bool kFold, bool kOverwrite, ParamRounding R>
 void sgd_chunk(const TensorEntry& t, int64_t begin, int64_t end, const FoldScalars& fold, WindowScalars window,
                float clip_coef, const SgdScalars& s) {
   const WindowGrad<G, kFold, kOverwrite> source(t, fold, window, clip_coef);
   const SgdCoef<VF> kv(s);
   const SgdCoef<float> ks(s);
-  const ParamIO<P> param(t, window.rounding);
+  const ParamIO<P, R> param(t);
   float* momentum = static_cast<float*>(t.ptr[kState0]);  // null without momentum
   const bool first = (t.flags & kFirstMomentum) != 0;
   int64_t i = begin;
@@ -424,10 +428,10 @@ struct SgdBody {
   WindowScalars window;
   float clip_coef;
   const SgdScalars& s;
-  template <class P, class G, bool kFold, bool kOverwrite>
+  template <class P, class G, bool kFold, bool kOverwrite, ParamRounding R>
   void run() const {
     for_each_chunk(plan, [&](int64_t, const Chunk& chunk) {
-      sgd_chunk<P, G, kFold, kOverwrite>(plan.tensors[chunk.tensor], chunk.begin, chunk.end, fold, window, clip_coef,
+      sgd_chunk<P, G, kFold, kOverwrite, R>(plan.tensors[chunk.tensor], chunk.begin, chunk.end, fold, window, clip_coef,
                                          s);
     });
   }
@@ -435,17 +439,17 @@ struct SgdBody {
 
 void sgd(const Plan& plan, DType param_dtype, const FoldScalars& fold, WindowScalars window, float clip_coef,
          const SgdScalars& s) {
-  dispatch_update(param_dtype, fold, SgdBody{plan, fold, window, clip_coef, s});
+  dispatch_update(param_dtype, window.rounding, fold, SgdBody{plan, fold, window, clip_coef, s});
 }
 
 // One pass: moments, IEEE square root and parameter per element (see af_adam in math.h).
-template <class P, class G, bool kFold, bool kOverwrite>
+template <class P, class G, bool kFold, bool kOverwrite, ParamRounding R>
 void adam_chunk(const TensorEntry& t, int64_t begin, int64_t end, const FoldScalars& fold,
                 WindowScalars window, float clip_coef, const AdamScalars& s) {
   const WindowGrad<G, kFold, kOverwrite> source(t, fold, window, clip_coef);
   const AdamCoef<VF> kv(s);
   const AdamCoef<float> ks(s);
-  const ParamIO<P> param(t, window.rounding);
+  const ParamIO<P, R> param(t);
   float* exp_avg = static_cast<float*>(t.ptr[kState0]);
   float* exp_avg_sq = static_cast<float*>(t.ptr[kState1]);
   float* max_exp_avg_sq = static_cast<float*>(t.ptr[kState2]);  // null without amsgrad
@@ -482,10 +486,10 @@ struct AdamBody {
   WindowScalars window;
   float clip_coef;
   const AdamScalars& s;
-  template <class P, class G, bool kFold, bool kOverwrite>
+  template <class P, class G, bool kFold, bool kOverwrite, ParamRounding R>
   void run() const {
     for_each_chunk(plan, [&](int64_t, const Chunk& chunk) {
-      adam_chunk<P, G, kFold, kOverwrite>(plan.tensors[chunk.tensor], chunk.begin, chunk.end, fold, window,
+      adam_chunk<P, G, kFold, kOverwrite, R>(plan.tensors[chunk.tensor], chunk.begin, chunk.end, fold, window,
                                           clip_coef, s);
     });
   }
@@ -493,7 +497,7 @@ struct AdamBody {
 
 void adam(const Plan& plan, DType param_dtype, const FoldScalars& fold, WindowScalars window, float clip_coef,
           const AdamScalars& s) {
-  dispatch_update(param_dtype, fold, AdamBody{plan, fold, window, clip_coef, s});
+  dispatch_update(param_dtype, window.rounding, fold, AdamBody{plan, fold, window, clip_coef, s});
 }
 
 }  // namespace
