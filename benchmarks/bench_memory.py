@@ -18,6 +18,11 @@ Contenders (AdamW lr 1e-3, weight decay 0.01, max_grad_norm 1.0, k = --k micro-b
   fb_only  no optimizer: forward + backward with a post-accumulate-grad hook that drops each
            .grad at once. Not a training loop: it measures what forward + backward need beyond
            the parameters (activations, autograd temporaries), used to subtract activations.
+  <loop>+<bf16_update>  an accum_fused loop above with AdamW(bf16_update=<mode>), for bf16 only
+           (skipped for fp32, whose parameters the option does not touch): plain+stochastic,
+           plain+kahan, mode_b+stochastic, mode_b+kahan by default (the loops without a suffix
+           are bf16_update="nearest", the default). Expected: stochastic keeps one int64 seed per
+           parameter tensor in the state (+0 per element), kahan a bf16 compensation (+2 B/param).
 
 Each contender runs in its own process (forked from the parent, which has imported torch but
 run nothing; --isolation subprocess for a fresh interpreter each) (same seed, same model, same token batches): one
@@ -43,12 +48,14 @@ warm-up window (optimizer state allocated), then the measured window. Reported:
 Sanity: after the two windows every contender's parameters are compared with native's and with
 plain's (max |diff|). fp32: the same training, so ~1e-6 or less. bf16: the native loop
 accumulates .grad in bf16 and keeps bf16 AdamW state, accum_fused in fp32, so they differ by
-bf16 rounding; accum_fused's three loops should agree with each other closely.
+bf16 rounding; accum_fused's three loops should agree with each other closely (the +stochastic
+and +kahan loops differ from plain by the rounding of the parameter writes: up to a bf16 ulp).
 
 Usage (from the repository root):
   python benchmarks/bench_memory.py                         # CPU preset (10.2M params), fp32 + bf16, k=8
   python benchmarks/bench_memory.py --device cuda --preset gpt2
   python benchmarks/bench_memory.py --dtypes fp32 --contenders native,mode_a --layers 2 --d-model 128
+  python benchmarks/bench_memory.py --dtypes bf16 --contenders fb_only,native,plain,plain+stochastic,plain+kahan
 """
 from __future__ import annotations
 
@@ -85,7 +92,9 @@ PRESETS = {
     # GPT-2 small shapes (124M parameters, tied head), 4 x 512 tokens per micro-batch.
     "gpt2": dict(vocab=50257, ctx=1024, d_model=768, layers=12, heads=12, batch=4, seq=512),
 }
-CONTENDERS = ("fb_only", "native", "plain", "mode_a", "mode_b")
+CONTENDERS = ("fb_only", "native", "plain", "mode_a", "mode_b",
+              "plain+stochastic", "plain+kahan", "mode_b+stochastic", "mode_b+kahan")
+BF16_UPDATES = ("nearest", "stochastic", "kahan")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LR, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-3, 1e-2, 1.0
 
@@ -267,20 +276,21 @@ def run_child(args) -> dict:
     model = GPT(args.vocab, args.ctx, args.d_model, args.layers, args.heads).to(device=device, dtype=dtype)
     params = list(model.parameters())
     n_params = sum(p.numel() for p in params)
-    k, c = args.k, args.contender
+    k, (c, bf16_update) = args.k, split_contender(args.contender)
     opt = None
     grad_not_none = []
     if c == "native":
         opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **{impl: True})
     elif c == "plain":
         opt = accum_fused.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, accumulation_steps=k,
-                                max_grad_norm=MAX_GRAD_NORM, backend=args.backend)
+                                max_grad_norm=MAX_GRAD_NORM, backend=args.backend, bf16_update=bf16_update)
     elif c == "mode_a":
         opt = accum_fused.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM,
-                                backend=args.backend, in_backward=True)
+                                backend=args.backend, in_backward=True, bf16_update=bf16_update)
     elif c == "mode_b":
         opt = accum_fused.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, accumulation_steps=k,
-                                max_grad_norm=MAX_GRAD_NORM, backend=args.backend, in_backward=True)
+                                max_grad_norm=MAX_GRAD_NORM, backend=args.backend, in_backward=True,
+                                bf16_update=bf16_update)
     elif c == "fb_only":
         def drop(p):
             p.grad = None
@@ -360,7 +370,9 @@ def run_child(args) -> dict:
     if args.params_out:
         torch.save([p.detach().float().cpu() for p in params], args.params_out)
     return {
-        "contender": c, "dtype": args.dtype, "n_params": n_params, "native_impl": impl if c == "native" else None,
+        "contender": args.contender, "dtype": args.dtype, "n_params": n_params,
+        "bf16_update": bf16_update if isinstance(opt, accum_fused.AdamW) else None,
+        "native_impl": impl if c == "native" else None,
         "method": "cuda.max_memory_allocated" if cuda else "TorchDispatchMode live-storage tracker",
         "peak_bytes": peak, "resident_bytes": resident, "resident_after_bytes": resident_after,
         "state_at_boundary": state_boundary, "peak_phase": peak_phase,
@@ -368,6 +380,12 @@ def run_child(args) -> dict:
         "rss_peak_bytes": status.get("VmHWM") if rss_reset else None, "rss_before_window_bytes": rss_before,
         "grad_not_none_after_backward": grad_not_none, "checks": checks,
     }
+
+
+def split_contender(name: str) -> tuple[str, str]:
+    """'plain+kahan' -> ('plain', 'kahan'); 'plain' -> ('plain', 'nearest')."""
+    loop, _, bf16_update = name.partition("+")
+    return loop, bf16_update or "nearest"
 
 
 # ------------------------------------------------------------------------------ parent
@@ -464,6 +482,12 @@ def parse_args(argv=None):
             setattr(args, key, value)
     if args.seq > args.ctx:
         raise SystemExit(f"--seq {args.seq} exceeds --ctx {args.ctx}")
+    for name in (c for c in args.contenders.split(",") if c):
+        loop, mode = split_contender(name)
+        if loop not in ("fb_only", "native", "plain", "mode_a", "mode_b") or mode not in BF16_UPDATES or (
+                mode != "nearest" and loop in ("fb_only", "native")):
+            raise SystemExit(f"unknown contender {name!r}: one of fb_only, native, plain, mode_a, mode_b, "
+                             f"or an accum_fused loop + one of {', '.join(BF16_UPDATES[1:])} (e.g. plain+kahan)")
     return args
 
 
@@ -485,6 +509,8 @@ def main(argv=None) -> int:
         finals = {}
         for dt in dtypes:
             for c in contenders:
+                if "+" in c and dt != "bf16":
+                    continue  # bf16_update only changes how bf16 parameters are written
                 out = os.path.join(tmp, f"{dt}_{c}.pt")
                 if args.isolation == "fork":
                     r = _run_forked(args, c, dt, out, os.path.join(tmp, f"{dt}_{c}.json"))
