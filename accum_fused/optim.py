@@ -68,6 +68,9 @@ def _check_bf16_update(param_group: dict[str, Any], default: str) -> None:
                          "bf16 (or fp32), or keep bf16_update='nearest' for that group")
 
 
+_SEED_BASE = 0x0A0CF05ED  # accum_fused's stochastic rounding seeds start from splitmix64(this ^ index)
+
+
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
@@ -81,8 +84,9 @@ class _Bf16Rounding:
     ``"nearest"`` (default, torch's rounding): an update smaller than half a bf16 ulp of the
     weight (|Δ| < |w|·2⁻⁹) is lost. ``"stochastic"``: rounded up or down with the probability
     that makes it unbiased, from bits every backend draws alike (backends/reference.py) under a
-    per-parameter key: the state's ``"bf16_rounding_seed"`` (int64, from ``torch.initial_seed()``
-    and the parameter's index at its first update; +1 per update, saved in the state_dict).
+    per-parameter key: the state's ``"bf16_rounding_seed"`` (int64, from the parameter's index
+    in the optimizer at its first update, the same on every rank; +1 per update, saved in the
+    state_dict).
     ``"kahan"``: the state's ``"bf16_compensation"`` (bf16, +2 B/param, in the state_dict) keeps
     what the bf16 parameter cannot hold; the update reads p + c. A per-group option; other
     dtypes are written as they always were (fp16 parameters with a rounding mode are refused).
@@ -124,11 +128,12 @@ class _Bf16Rounding:
                 if comp is None or comp.device != p.device:
                     self.state[p]["bf16_compensation"] = torch.zeros_like(p) if comp is None else comp.to(p.device)
         elif mode == "stochastic" and any("bf16_rounding_seed" not in self.state[p] for p in params):
+            # From the parameter's index alone, not from torch's generator: replicas on ranks
+            # seeded apart (seed + rank, for data order) must draw the same bits, or they drift.
             index = {p: i for i, p in enumerate(self._all_params())}
-            base = _splitmix64(torch.initial_seed())
             for p in params:
                 if "bf16_rounding_seed" not in self.state[p]:
-                    seed = _splitmix64(base ^ index[p]) >> 1  # (fits int64)
+                    seed = _splitmix64(_SEED_BASE ^ index[p]) >> 1  # (fits int64)
                     self.state[p]["bf16_rounding_seed"] = torch.tensor(seed, dtype=torch.int64)
         return mode if params else "nearest"
 

@@ -207,3 +207,19 @@ def test_misuse_is_refused_before_anything_changes():
     opt.add_param_group({"params": [half], "bf16_update": "nearest"})  # per group: fine
     with pytest.raises(TypeError):
         accum_fused.GradientAccumulator(torch.optim.SGD([p], lr=0.1), bf16_update="kahan")
+
+
+def test_stochastic_bits_do_not_depend_on_torchs_generator():
+    # Replicas on ranks seeded apart (seed + rank, a common recipe for data order) must round
+    # alike: identical gradients must give identical parameters on every rank.
+    runs = []
+    for rank_seed in (0, 1):
+        torch.manual_seed(rank_seed)
+        p = torch.nn.Parameter(torch.full((4097,), 1.0, dtype=torch.bfloat16))
+        opt = accum_fused.AdamW([p], lr=1e-4, bf16_update="stochastic")
+        for _ in range(5):
+            p.grad = torch.ones_like(p)
+            opt.step()
+        runs.append((p.detach().clone(), opt.state[p]["bf16_rounding_seed"].item()))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
+    assert 0 < (runs[0][0] != 1.0).sum() < p.numel()  # (the bits are random across elements)
