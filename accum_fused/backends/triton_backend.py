@@ -418,6 +418,7 @@ def sgd_update(
     if grads is not None:
         _check(device, grads[0].dtype, "gradients")
     layout = _Layout(buffers)
+    rounding, comps, keys = _rounding(device, layout, params, bf16_update, rounding_keys, compensations)
     has_momentum = momentum != 0
     flags = [0] * len(params)
     moms: list[Tensor | None] = [None] * len(params)
@@ -430,7 +431,6 @@ def sgd_update(
             moms[i] = b
         moms = layout.read_write(moms)
     params_k = layout.read_write(params)
-    rounding, comps, keys = _rounding(device, layout, params, bf16_update, rounding_keys, compensations)
     plan = _plan(device, [buffers, params_k, moms, comps], flags)
     staged, grad_ptrs, aligned, scale, clip = _update_inputs(device, layout, grads, grad_scale, clip_coef, plan)
     if plan.n_chunks:
@@ -494,6 +494,7 @@ def adam_update(
     if grads is not None:
         _check(device, grads[0].dtype, "gradients")
     layout = _Layout(buffers)
+    rounding, comps, keys = _rounding(device, layout, params, bf16_update, rounding_keys, compensations)
     # The reference's expressions, evaluated with the reference's types (a tensor lr gives fp32
     # tensor arithmetic), then read as numbers: the kernel rounds each to fp32 once.
     bias_correction1 = 1 - beta1**step
@@ -503,7 +504,6 @@ def adam_update(
     has_wd = weight_decay != 0
     decay_factor = 1 - lr * weight_decay if decoupled_weight_decay and has_wd else 1.0
     maxes = layout.read_write(max_exp_avg_sqs) if amsgrad else [None] * len(params)
-    rounding, comps, keys = _rounding(device, layout, params, bf16_update, rounding_keys, compensations)
     plan = _plan(device, [buffers, layout.read_write(params), layout.read_write(exp_avgs),
                           layout.read_write(exp_avg_sqs), maxes, comps])
     staged, grad_ptrs, aligned, scale, clip = _update_inputs(device, layout, grads, grad_scale, clip_coef, plan)

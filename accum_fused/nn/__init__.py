@@ -1,6 +1,6 @@
 """Opt-in model-side helpers that work with an accum_fused optimizer.
 
-- ``fuse_linear_gradients(model, opt)``: ``nn.Linear`` weight gradients computed by the GEMM
+- ``fuse_linear_gradients(model, opt)``: ``nn.Linear`` weight (and bias) gradients computed
   straight into the optimizer's window buffers (linear.py).
 - ``window_batchnorm(model, opt)``: BatchNorm running statistics updated once per window with
   the big batch's statistics, not once per micro-batch (batchnorm.py).
