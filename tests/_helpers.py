@@ -234,7 +234,10 @@ def run_ranks(worker, out_dir, world_size: int, timeout_s: int) -> list[dict]:
                 proc.kill()
                 proc.wait()
     for rank, (proc, log) in enumerate(zip(procs, logs)):
-        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{log[-4000:]}"
+        # (whether the rank had written its results tells a crash in its work from one in teardown)
+        wrote = os.path.exists(os.path.join(out_dir, f"rank{rank}.json"))
+        assert proc.returncode == 0, (f"rank {rank} exited with {proc.returncode} "
+                                      f"({'after' if wrote else 'before'} writing its results):\n{log[-4000:]}")
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
