@@ -23,6 +23,8 @@ import accum_fused
 from accum_fused.nn import window_batchnorm
 from accum_fused.nn.batchnorm import STATE_KEY
 
+from _helpers import RaisingBackward
+
 K = 3
 SIZES = [[3, 5, 2], [4, 7, 2], [6, 3]]  # micro-batch sizes per window; the last window is partial
 # (constructor, per-sample input shape, memory format)
@@ -244,16 +246,6 @@ def test_a_skipped_window_still_updates_the_statistics():
     assert opt.update_count == 2
 
 
-class _RaisingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("simulated out of memory")
-
-
 def test_a_failed_backward_that_discards_the_window_drops_its_statistics():
     model = make_model()
     windows = make_data()
@@ -262,7 +254,7 @@ def test_a_failed_backward_that_discards_the_window_drops_its_statistics():
     first, second = windows[0][:2]
     opt.backward(loss_of(model, first), weight=len(first))
     # The Linear's gradients reach the window's sums before the raise: the window is lost.
-    loss = model[2](model[1](_RaisingBackward.apply(model[0](second)))).square().mean()
+    loss = model[2](model[1](RaisingBackward.apply(model[0](second)))).square().mean()
     with pytest.warns(RuntimeWarning, match="discarded"), pytest.raises(RuntimeError, match="simulated"):
         opt.backward(loss, weight=len(second))
     assert opt.micro_step == 0
