@@ -91,13 +91,11 @@ stage_tests() {
     # A tiny slice (never this script's own test): the junit and summary path, not the suite.
     read -r -a sel <<<"${GPU_CHECK_PYTEST_ARGS:-tests/test_install.py tests/test_kernels.py::test_empty_calls}"
   else
-    # The suite minus what is CPU-only and covered by CI, to fit the stage's budget: this script's
-    # dry run, PyTorch's test_optim.py (needs expecttest; pinned to torch 2.13's optim_db), the
-    # framework recipes (frameworks not installed there), the gloo ranks and the CLI/demo.
-    local cpu_only="--ignore=tests/test_gpu_check.py --ignore=tests/upstream --ignore=tests/test_cli.py"
-    cpu_only+=" --ignore=tests/test_distributed.py --ignore=tests/test_integration_transformers.py"
-    cpu_only+=" --ignore=tests/test_integration_lightning.py --ignore=tests/test_integration_accelerate.py"
-    read -r -a sel <<<"${GPU_CHECK_PYTEST_ARGS:-tests $cpu_only}"
+    # The CUDA cases only: every CPU test runs in CI, and on the first H100 run (2026-11-26) the
+    # whole suite did not finish in 180 s on 8 workers (64 %). The CUDA cases are the ones marked
+    # `cuda` (kernels against the reference, the CUDA paths, the fused Linear's CUDA GEMM).
+    local cuda_sel="tests --ignore=tests/upstream --ignore=tests/test_gpu_check.py -m cuda"
+    read -r -a sel <<<"${GPU_CHECK_PYTEST_ARGS:-$cuda_sel}"
     # 16 cores: workers compile Triton kernels and run the CPU half of the suite in parallel.
     if [ "${GPU_CHECK_XDIST:-1}" = 1 ] && "$PYTHON" -c 'import xdist' 2>/dev/null; then
       args+=(-n "$(( $(nproc) / 2 > 8 ? 8 : ($(nproc) / 2 > 1 ? $(nproc) / 2 : 1) ))")
@@ -131,8 +129,10 @@ stage_train() {
     "$PYTHON" benchmarks/bench_memory.py --device cpu --vocab 128 --ctx 16 --d-model 32 --layers 1 --heads 2 \
       --batch 1 --seq 8 --k 2 --dtypes fp32 --threads 1 --json "$WORK/memory.json"
   else
-    "$PYTHON" benchmarks/bench_train.py --device cuda --json "$WORK/train.json" &&  # GPT-2-small, bf16 autocast
-    "$PYTHON" benchmarks/bench_memory.py --device cuda --preset gpt2 --json "$WORK/memory.json"
+    # GPT-2-small, bf16 autocast. 6 + 2 windows per contender: 13 rounds took ~80 s on the H100;
+    # bench_memory on bf16 only (the GPU's training dtype): fp32 and bf16 took ~10 s per contender.
+    "$PYTHON" benchmarks/bench_train.py --device cuda --windows 6 --warmup 2 --json "$WORK/train.json" &&
+    "$PYTHON" benchmarks/bench_memory.py --device cuda --preset gpt2 --dtypes bf16 --json "$WORK/memory.json"
   fi
 }
 
@@ -174,13 +174,15 @@ run_sanitized() {
   return "$rc"
 }
 
+# Under memcheck a test case took ~10 s on the H100 (startup and Triton compiles included): the
+# slices are sized to ~10 cases for memcheck and ~4 for racecheck.
 stage_memcheck() {
-  run_sanitized memcheck "test_accumulate or test_window_norms or test_windows_large or test_windows_many_small_tensors or test_grad_scaler_inf_skips_window"
+  run_sanitized memcheck "(test_accumulate and float32-unscaled-add) or test_window_norms or (test_windows_many_small_tensors and adamw-float32)"
 }
 
 stage_racecheck() {
   # The norm kernels are the ones that share memory between threads (block reductions).
-  run_sanitized racecheck "test_window_norms or (test_accumulate and float32-unscaled)"
+  run_sanitized racecheck "test_window_norms"
 }
 
 export -f stage_env stage_build stage_tests bench_args stage_bench stage_train stage_fsdp find_sanitizer run_sanitized \
@@ -215,21 +217,22 @@ run_stage() {
   fi
 }
 
-# Caps (s) for a real run on an H100 (expected: build ~2 min, suite ~2 min, benchmarks ~2 min,
-# FSDP2 ~0.5 min, sanitizers ~1.5 min). The third number is what the stages after it are guaranteed.
+# Caps (s) for a real run on an H100 (expected: build ~1.5 min, CUDA tests ~1.5 min, benchmarks
+# ~2.5 min, FSDP2 ~0.5 min, sanitizers ~2 min). The third number is what the stages after it are guaranteed.
 # The sanitizers run last: the slowest per finding, they take the time that is left.
 if [ "$DRY_RUN" = 1 ]; then
   run_stage env 30 0; run_stage build 60 0; run_stage tests 60 0; run_stage bench 60 0; run_stage train 60 0
   run_stage fsdp 60 0
   run_stage memcheck 5 0; run_stage racecheck 5 0
 else
-  run_stage env     30  320
-  run_stage build   240 260
-  run_stage tests   180 170
-  run_stage bench   120 110
-  run_stage train   90  60
-  run_stage fsdp    45  20
-  run_stage memcheck 90 20
+  # Measured on the H100 (2026-11-26): env 6 s, build 76 s, bench 38 s, fsdp 20 s.
+  run_stage env     30  400
+  run_stage build   150 330
+  run_stage tests   120 210
+  run_stage bench   60  150
+  run_stage train   120 90
+  run_stage fsdp    40  70
+  run_stage memcheck 100 20
   run_stage racecheck 60 0
 fi
 

@@ -242,8 +242,9 @@ def run_ranks(worker, out_dir, world_size: int, timeout_s: int) -> list[dict]:
 
 
 def worker_backends() -> list[str]:
-    """The backends a two-rank worker runs every scenario on: those that load here."""
-    return [b for b in ("torch", "cpp", "triton") if b in accum_fused.available_backends()]
+    """The backends a two-rank worker runs every scenario on (CPU tensors): those that run them here."""
+    from conftest import cpu_skip_reason
+    return [b for b in ("torch", "cpp", "triton") if cpu_skip_reason(b) is None]
 
 
 def worker_case_ids(scenarios: dict, backends) -> list[str]:

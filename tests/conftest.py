@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import accum_fused
+from accum_fused.backends import _load
 
 BACKENDS = ["torch", "cpp", "triton"]
 
@@ -38,16 +39,27 @@ KERNEL_TOLERANCES: dict[torch.dtype, tuple[float, float] | int] = {
 
 
 def pytest_configure(config) -> None:
-    config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped without one")
+    config.addinivalue_line("markers", "cuda: runs on a CUDA device where there is one (benchmarks/gpu_check.sh runs these)")
+
+
+def cpu_skip_reason(name: str) -> str | None:
+    """Why backend ``name`` cannot run the suite's CPU tensors here, or None. Triton runs CPU
+    tensors only through its interpreter: on a GPU machine (no TRITON_INTERPRET) a CPU test with
+    backend="triton" would silently run the reference backend and check nothing of Triton's."""
+    available = accum_fused.available_backends()
+    if name not in available:
+        return f"backend {name!r} not available here (available: {available})"
+    if not _load(name).supports(torch.device("cpu"), torch.float32):
+        return f"backend {name!r} does not run CPU tensors here (Triton: only under TRITON_INTERPRET=1)"
+    return None
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request) -> str:
-    name = request.param
-    available = accum_fused.available_backends()
-    if name not in available:
-        pytest.skip(f"backend {name!r} not available here (available: {available})")
-    return name
+    reason = cpu_skip_reason(request.param)
+    if reason:
+        pytest.skip(reason)
+    return request.param
 
 
 @pytest.fixture

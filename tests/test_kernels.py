@@ -49,8 +49,11 @@ def kernel(request):
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def device(request) -> torch.device:
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        # With its index: tensors report cuda:0, and torch.device("cuda") != torch.device("cuda:0").
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(request.param)
 
 
@@ -87,17 +90,32 @@ def _assert_fp32_close(actual: torch.Tensor, expected: torch.Tensor, what: str) 
 
 def _assert_params_ok(actual, ref, truth, what: str) -> None:
     """fp32: close to the reference backend. bf16/fp16: per element, the kernel's error against
-    the fp64 run is at most the reference backend's error plus KERNEL_TOLERANCES[dtype] ulps."""
+    the fp64 run is at most the reference backend's error plus KERNEL_TOLERANCES[dtype] ulps, or
+    (an element near a cancellation, far smaller than its tensor's values) within fp32's absolute
+    tolerance of the reference. Why the second: on CUDA torch's own kernels (the reference) fuse
+    multiply-adds where ours round each step (-fmad=false), so their fp32 momentum and update
+    differ by an fp32 rounding; where p - lr * update nearly cancels, that rounding is several
+    fp16 ulps of the small result (H100, 2026-11-26: 2 and 4 ulps, one element each, in fp16
+    adamw-amsgrad and sgd-momentum windows; 1 ulp everywhere else)."""
+    rtol32, atol32 = KERNEL_TOLERANCES[torch.float32]
     for i, (a, r, t) in enumerate(zip(actual, ref, truth)):
         assert a.dtype == r.dtype
         if a.dtype == torch.float32:
             _assert_fp32_close(a, r, f"{what}[{i}]")
             continue
+        if not a.numel():
+            continue
         rounded = t.to(a.dtype)
-        kernel_error = ulp_distance(a, rounded)
-        reference_error = ulp_distance(r, rounded)
-        excess = (kernel_error - reference_error).max().item() if a.numel() else 0
-        assert excess <= KERNEL_TOLERANCES[a.dtype], f"{what}[{i}]: {excess} ulps beyond the reference's error"
+        excess = ulp_distance(a, rounded) - ulp_distance(r, rounded)
+        near_cancellation = (a.double() - r.double()).abs() <= atol32 * t.double().abs().max()
+        bad = (excess > KERNEL_TOLERANCES[a.dtype]) & ~near_cancellation
+        if bad.any():
+            j = int(bad.nonzero()[0])
+            raise AssertionError(
+                f"{what}[{i}]: {int(bad.sum())} elements beyond the reference's error by more than "
+                f"{KERNEL_TOLERANCES[a.dtype]} ulps (max {int(excess.max())}); element {j}: kernel "
+                f"{a[j].item()!r}, reference {r[j].item()!r}, fp64 {t[j].item()!r}, tensor max "
+                f"|{t.abs().max().item():.4g}|")
 
 
 # ------------------------------------------------------------------------------------ accumulate
@@ -331,6 +349,10 @@ def test_grad_scaler_inf_skips_window(kernel, device, param_dtype):
     """The documented GradScaler loop with an inf injected into one micro-batch: the kernel
     backend skips exactly the windows the reference backend skips, and matches it afterwards."""
     _require(kernel, device, param_dtype)
+    if device.type == "cuda" and param_dtype == torch.bfloat16:
+        # torch's own unscale (_amp_foreach_non_finite_check_and_unscale_) has no bf16 CUDA kernel
+        # (torch 2.11, H100): GradScaler.step raises NotImplementedError before any optimizer runs.
+        pytest.skip("torch.amp.GradScaler cannot unscale bf16 gradients on CUDA")
     sizes = [4097, 3, 1, 300]
     gen = torch.Generator().manual_seed(7)
     init = _randn(sizes, param_dtype, device, gen)

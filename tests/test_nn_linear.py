@@ -271,10 +271,13 @@ def test_a_bias_the_optimizer_does_not_hold_keeps_its_path():
     opt.close()
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_cuda_gemm_takes_low_precision_operands_with_an_fp32_output(dtype):
-    # torch.addmm(out_dtype=) has no CPU kernel; its meta kernel checks the call (dtypes, shapes,
-    # out=) that the CUDA path makes.
+    # torch.addmm(out_dtype=) has no CPU kernel. On a CUDA machine the call runs and is compared
+    # with the fp32 product; elsewhere torch's meta kernel checks it (dtypes, shapes, out=). The
+    # meta check alone is not enough everywhere: torch 2.11's meta decomposition of this call
+    # raises "addmm() got multiple values for argument 'beta'" (H100 run, 2026-11-26).
     from accum_fused.nn.linear import _gemm_into
     calls = []
     real_addmm = torch.addmm
@@ -282,11 +285,17 @@ def test_the_cuda_gemm_takes_low_precision_operands_with_an_fp32_output(dtype):
     def addmm(*args, **kwargs):
         calls.append(kwargs.get("out_dtype"))
         return real_addmm(*args, **kwargs)
-    buffer = torch.empty(3, 4, device="meta")
-    a, b = torch.empty(3, 5, dtype=dtype, device="meta"), torch.empty(5, 4, dtype=dtype, device="meta")
+    device = "cuda" if torch.cuda.is_available() else "meta"
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(3, 4, generator=gen)
+    a, b = torch.randn(3, 5, generator=gen).to(dtype), torch.randn(5, 4, generator=gen).to(dtype)
+    buffer = start.to(device)
     try:
         torch.addmm = addmm
-        _gemm_into(buffer, a, b, beta=0.0, alpha=0.5, native_out_dtype=True)
+        _gemm_into(buffer, a.to(device), b.to(device), beta=1.0, alpha=0.5, native_out_dtype=True)
     finally:
         torch.addmm = real_addmm
     assert calls == [torch.float32] and buffer.dtype == torch.float32
+    if device == "cuda":
+        expected = start.double() + 0.5 * (a.double() @ b.double())
+        torch.testing.assert_close(buffer.cpu().double(), expected, rtol=1e-5, atol=1e-5)
