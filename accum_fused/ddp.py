@@ -21,12 +21,17 @@ from .layout import state_dtype
 
 
 def attach(opt, params) -> None:
-    """At construction: take over the DDP modules already wrapping ``params``; if none, watch
-    module forwards for one (until the first window closes, see ``window_closed``)."""
+    """At construction: take over the DDP modules already wrapping ``params``; if none, and a
+    DDP module can appear in this process (``distributed.ddp_possible``), watch module forwards
+    for one (until the first window closes, see ``window_closed``)."""
     modules = distributed.ddp_modules_holding(params)
     for module in modules:
         _take(opt, module)
-    opt._ddp_watch = None if modules else distributed.watch_for_ddp(opt, _found)
+    watch = not modules and distributed.ddp_possible()
+    opt._ddp_watch = distributed.watch_for_ddp(opt, _found) if watch else None
+    # Built before torch.distributed was initialized, and not by a launcher (mp.spawn with a
+    # tcp:// init_method): checked when a window closes (window_closed).
+    opt._ddp_unwatched = not modules and not watch
 
 
 def window_closed(opt, closing_optimizer: bool = False) -> None:
@@ -35,11 +40,31 @@ def window_closed(opt, closing_optimizer: bool = False) -> None:
     a DDP module wrapped later would leave its ranks training apart (mode A/B) or weighting
     DDP's per-micro-batch average by local weights (plain mode), so it keeps watching and takes
     the module over at its first forward, whenever that comes. ``opt.close()`` stops it always."""
+    if getattr(opt, "_ddp_unwatched", False) and not closing_optimizer and distributed.several_processes():
+        _late_process_group(opt)
     watch = getattr(opt, "_ddp_watch", None)
     if watch is not None and (closing_optimizer
                               or not (opt.process_group is None and distributed.several_processes())):
         distributed.unwatch_ddp(watch)
         opt._ddp_watch = None
+
+
+def _late_process_group(opt) -> None:
+    """torch.distributed was initialized after the optimizer was built, outside a launcher, so
+    nothing watched for a DDP module: a DDP module already wrapping our parameters ran this
+    window with its own per-backward all-reduce, which accum_fused cannot take back. Said loudly;
+    with none, watch from now on."""
+    opt._ddp_unwatched = False
+    if opt.process_group is not None:
+        return
+    if distributed.ddp_modules_holding(opt._all_params()):
+        raise RuntimeError(
+            f"{type(opt).__name__} was built before torch.distributed.init_process_group() in a process no launcher "
+            "started, so it could not take over the DistributedDataParallel module that wraps its parameters: this "
+            "window was reduced by DDP after every backward instead of once. Build the optimizer after "
+            "init_process_group() (or launch with torchrun), or pass process_group= explicitly"
+        )
+    opt._ddp_watch = distributed.watch_for_ddp(opt, _found)
 
 
 def _found(opt, module) -> bool:

@@ -127,6 +127,19 @@ def several_processes() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+# What launchers (torchrun, accelerate launch, Lightning's ddp, SLURM scripts) set for each process.
+_LAUNCHER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
+
+
+def ddp_possible() -> bool:
+    """Whether a DistributedDataParallel module can appear in this process: torch.distributed is
+    initialized, or a launcher started the process (it will be). A plain single-process job
+    answers False and gets no global module hook (torch.compile(module) warns about those)."""
+    import os
+    dist = _dist()
+    return dist.is_available() and (dist.is_initialized() or any(v in os.environ for v in _LAUNCHER_ENV))
+
+
 def ddp_modules_holding(params: Iterable[Tensor]) -> list:
     """The live DistributedDataParallel modules that wrap any of ``params``.
 

@@ -11,6 +11,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -140,16 +141,19 @@ def test_readme_torchrun_example_runs():
     assert len(losses) == 2 and losses[1] < losses[0], proc.stdout
 
 
-def test_ddp_watch_lasts_until_the_first_window_closes():
-    """An optimizer without a DDP module watches module forwards (a global forward pre-hook) only
-    until its first window closes or it is collected: afterwards modules run without the hook."""
+def _global_forward_hooks() -> int:
+    from torch.nn.modules import module as nn_module
+    return len(nn_module._global_forward_pre_hooks)
+
+
+def test_ddp_watch_lasts_until_the_first_window_closes(monkeypatch):
+    """Where a DDP module can appear (here: a launcher's WORLD_SIZE), an optimizer without one
+    watches module forwards (a global forward pre-hook) only until its first window closes or it
+    is collected: afterwards modules run without the hook."""
     import gc
 
-    from torch.nn.modules import module as nn_module
-
-    def global_hooks():
-        return len(nn_module._global_forward_pre_hooks)
-
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    global_hooks = _global_forward_hooks
     base = global_hooks()
     model = torch.nn.Linear(3, 2)
     opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=2)
@@ -163,3 +167,50 @@ def test_ddp_watch_lasts_until_the_first_window_closes():
     del dropped
     gc.collect()
     assert global_hooks() == base
+
+
+@pytest.mark.parametrize("mode", ["plain", "B"])
+def test_a_single_process_job_registers_no_global_module_hook(monkeypatch, mode):
+    """No process group and no launcher: no DDP module can appear, so no global forward hook,
+    and torch.compile(model) has no "global hooks on modules" warning to give (issue 29, row 6:
+    it warned with any accum_fused optimizer alive)."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    base = _global_forward_hooks()
+    model = torch.nn.Linear(3, 2)
+    opt = accum_fused.AdamW(model.parameters(), accumulation_steps=2, in_backward=mode == "B")
+    assert _global_forward_hooks() == base
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled = torch.compile(model, backend="eager")
+        for _ in range(2):
+            opt.backward(compiled(torch.ones(1, 3)).sum())
+            if mode == "plain":
+                opt.step()
+    assert opt.update_count == 1
+
+
+def test_a_process_group_initialized_after_the_optimizer_is_checked_at_the_window_close(monkeypatch):
+    """Built before init_process_group outside a launcher (nothing watched): at the first window's
+    close, a DDP module found wrapping the parameters is an error naming the fix (its per-backward
+    all-reduce ran that window); none found: the optimizer watches from then on."""
+    from accum_fused import ddp, distributed
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    model = torch.nn.Linear(3, 2)
+    opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=2)
+    assert opt._ddp_watch is None and opt._ddp_unwatched
+    monkeypatch.setattr(distributed, "several_processes", lambda: True)  # as after a later init (2 ranks)
+    monkeypatch.setattr(distributed, "ddp_modules_holding", lambda params: [object()])
+    with pytest.raises(RuntimeError, match="built before torch.distributed.init_process_group"):
+        ddp.window_closed(opt)
+    opt._ddp_unwatched = True
+    monkeypatch.setattr(distributed, "ddp_modules_holding", lambda params: [])
+    base = _global_forward_hooks()
+    for _ in range(2):
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    assert opt.update_count == 1 and not opt._ddp_unwatched and opt._ddp_watch is not None
+    assert _global_forward_hooks() == base + 1
+    opt.close()
+    assert _global_forward_hooks() == base
