@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections import defaultdict
 from typing import Any, Callable
 
@@ -40,6 +41,25 @@ def _check_weight(weight) -> float:
     if not (math.isfinite(weight) and weight > 0):
         raise ValueError(f"weight must be finite and > 0, got {weight}")
     return weight
+
+
+def check_accumulation_steps(value) -> int:
+    """The constructor's check, also for ``opt.accumulation_steps = k`` assigned later."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"accumulation_steps must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"accumulation_steps must be >= 1, got {value}")
+    return int(value)
+
+
+def _accumulation_steps_get(self) -> int:
+    return self.__dict__["accumulation_steps"]
+
+
+def _accumulation_steps_set(self, value) -> None:
+    # Kept in the instance __dict__ under its own name: torch's __setstate__ (and copies, pickles)
+    # restore attributes by __dict__.update, which this property then reads unchanged.
+    self.__dict__["accumulation_steps"] = check_accumulation_steps(value)
 
 
 def _window_view(name: str, doc: str) -> property:
@@ -70,6 +90,10 @@ class AccumulatingOptimizer:
     # window's sums first (clipping, a cross-rank reduce).
     _folds_last_micro_batch = True
 
+    accumulation_steps = property(
+        _accumulation_steps_get, _accumulation_steps_set,
+        doc="Micro-batches per window, validated as at construction; a change takes effect when the open "
+            "window closes at its old length or the new one, whichever it reaches first.")
     micro_step = _window_view("micro_step", "Micro-batches in the open window.")
     updated = _window_view("updated", "Whether the last step()/flush() applied an update.")
     update_count = _window_view("update_count", "Updates applied (skipped or empty windows do not count).")
@@ -84,7 +108,7 @@ class AccumulatingOptimizer:
                            process_group, in_backward: bool = False) -> None:
         if not isinstance(in_backward, bool):
             raise TypeError(f"in_backward must be a bool, got {type(in_backward).__name__}")
-        self.accumulation_steps = int(accumulation_steps)
+        self.accumulation_steps = accumulation_steps
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.backend = backend
         self.process_group = process_group
@@ -151,8 +175,20 @@ class AccumulatingOptimizer:
         return [p for group in self.param_groups for p in group["params"]]
 
     def _param_name(self, p: Tensor) -> str:
-        index = next(i for i, q in enumerate(self._all_params()) if q is p)
-        return f"parameter {index} (shape {tuple(p.shape)}, {p.dtype}, {p.device})"
+        """How errors name ``p``: by its name where the optimizer was given names
+        (``model.named_parameters()``, as torch.optim accepts), else by its index."""
+        index = 0
+        for group in self.param_groups:
+            names = group.get("param_names")
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    what = f"{tuple(p.shape)}, {p.dtype}, {p.device}"
+                    if names is not None:
+                        return f"parameter {names[i]!r} (index {index}, {what})"
+                    return (f"parameter {index} ({what}; build the optimizer from model.named_parameters() to see "
+                            "names here)")
+                index += 1
+        return f"a parameter this {type(self).__name__} does not hold ({tuple(p.shape)})"
 
     def _backend_for(self, param: Tensor):
         # Asked once per parameter per micro-batch by the in-backward hooks: resolving costs
@@ -230,11 +266,29 @@ class AccumulatingOptimizer:
         if weight is None:
             weight = 1.0 if win.pending_weight is None else win.pending_weight
         pairs = self._collect_grads()
+        if not pairs and not self.in_backward:
+            self._warn_no_gradient(weight)
         win.add_micro_batch(self, pairs, weight, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         if self.accumulation_steps > 1:
             for p, _ in pairs:
                 p.grad = None
         return loss
+
+    def _warn_no_gradient(self, weight: float) -> None:
+        """A plain-mode step() in which no parameter has a gradient: a doubled step() line, or a
+        micro-batch whose backward was skipped. It still counts (a micro-batch of zero gradients
+        is what the documented "some parameters without gradients" rule gives), but torch.optim's
+        step would change nothing: say so, once per optimizer."""
+        if getattr(self, "_warned_no_gradient", False):
+            return
+        self._warned_no_gradient = True
+        warnings.warn(
+            f"{type(self).__name__}.step() found no gradient on any parameter (was backward() skipped, or step() "
+            f"called twice?): it counted as a micro-batch of weight {weight:g} with zero gradients, which dilutes "
+            "the window's average (torch.optim's step() would do nothing). Call step() once per backward; to drop "
+            "a micro-batch, skip both. (Warned once per optimizer.)",
+            stacklevel=4,
+        )
 
     @torch._disable_dynamo
     @torch.no_grad()
@@ -381,6 +435,7 @@ class AccumulatingOptimizer:
         """torch's state_dict plus an ``"accumulation"`` entry with the open window: its
         buffers (by parameter index, as in ``"state"``), counters and GradScaler flag. With
         FSDP2 parameters the window is carried inside "state" and "param_groups" instead."""
+        guard.check_wrapped(self)
         hooks.settle_if_failed(self)
         return checkpoint.state_dict(self, super().state_dict())
 

@@ -46,8 +46,10 @@ def conform_state(state, params, name_of, dtype_of=state_dtype) -> None:
                 continue
             if value.shape != p.shape:
                 raise ValueError(
-                    f"optimizer state {key!r} of {name_of(p)} has shape {tuple(value.shape)}: the loaded "
-                    "state_dict belongs to another model; load one saved from this model's optimizer"
+                    f"{name_of(p)} does not match its optimizer state {key!r} of shape {tuple(value.shape)}: either "
+                    "the parameter changed shape after the optimizer's last update (build a new optimizer for a "
+                    "resized model: its state cannot follow), or the loaded state_dict belongs to another model "
+                    "(load one saved from this model's optimizer)"
                 )
             dtype = dtype_of(p) or value.dtype
             if value.dtype != dtype or value.device != p.device:

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from . import backends, checkpoint, distributed
-from .base import AccumulatingOptimizer
+from .base import AccumulatingOptimizer, check_accumulation_steps
+from .integrations import guard
 from .backends.reference import BF16_UPDATES, hash32
 from .layout import kernel_view, like_param, state_dtype
 
@@ -40,10 +41,7 @@ def _lr(group: dict[str, Any]) -> float | Tensor:
 
 
 def _check_accumulation_args(accumulation_steps, max_grad_norm, backend, capturable, differentiable, process_group):
-    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, numbers.Integral):
-        raise TypeError(f"accumulation_steps must be an int, got {type(accumulation_steps).__name__}")
-    if accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+    check_accumulation_steps(accumulation_steps)
     if max_grad_norm is not None:
         if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real):
             raise TypeError(f"max_grad_norm must be a number or None, got {type(max_grad_norm).__name__}")
@@ -394,6 +392,7 @@ class GradientAccumulator(AccumulatingOptimizer, torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state_dict plus the ``"accumulation"`` entry (open window)."""
+        guard.check_wrapped(self)
         return checkpoint.state_dict(self, self.optimizer.state_dict())
 
     def _init_state_for_checkpoint(self) -> None:

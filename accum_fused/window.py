@@ -309,7 +309,11 @@ class Window:
                 if p not in self.live:
                     del self.buffers[p]  # stale: the next gradient allocates a fresh one
                 elif buf.shape != p.shape:
-                    raise RuntimeError(f"{opt._param_name(p)} changed shape in the middle of a window")
+                    raise ValueError(
+                        f"{opt._param_name(p)} changed shape from {tuple(buf.shape)} in the middle of a window: its "
+                        "accumulated gradient no longer fits it. Resize parameters between windows (after an "
+                        "update or flush()), then build a new optimizer for them"
+                    )
                 else:
                     self.buffers[p] = buf.to(device=p.device, dtype=state_dtype(p))
         if closing:

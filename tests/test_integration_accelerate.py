@@ -318,10 +318,23 @@ def test_non_ddp_distributed_types_are_refused(monkeypatch):
         accelerator.prepare_optimizer(opt)
 
 
-def test_accelerates_own_accelerator_is_refused():
+def test_accelerates_own_accelerator_is_refused_at_prepare():
     """accelerate's own Accelerator would drop the partial window and step its scheduler per
-    micro-batch (73% off in the issue's measurement): the first step() raises, naming ours."""
+    micro-batch (73% off in the issue's measurement), and its prepared optimizer meets the
+    recipe's opt.step(weight=n) with a TypeError naming nothing of ours (issue 29 row 9):
+    prepare raises, naming ours."""
     accelerator = accelerate.Accelerator(cpu=True)
+    model = tiny_gpt2(0)
+    opt = accum_fused.AdamW(model.parameters(), lr=1e-3, accumulation_steps=2)
+    with pytest.raises(RuntimeError, match="accum_fused.integrations.accelerate.Accelerator"):
+        accelerator.prepare(model, opt)
+    assert opt.micro_step == 0
+
+
+def test_accelerates_own_accelerator_without_device_placement_is_refused_at_the_first_step():
+    """Without device placement accelerate's wrapper reads nothing of the optimizer at prepare:
+    the first step() raises, naming ours."""
+    accelerator = accelerate.Accelerator(cpu=True, device_placement=False)
     model = tiny_gpt2(0)
     opt = accum_fused.AdamW(model.parameters(), lr=1e-3, accumulation_steps=2)
     model, opt = accelerator.prepare(model, opt)

@@ -239,7 +239,9 @@ def test_fp16_grad_scaler_with_in_backward_raises(tmp_path):
 
     model = _model()
     trainer = _trainer(tmp_path, model, _recipe_optimizer(model), [af_hf.AccumFusedCallback()])
-    wrapped = AcceleratedOptimizer(trainer.optimizer, scaler=torch.amp.GradScaler("cpu"))
+    # device_placement=False: built by hand, outside the Trainer, whose prepare accum_fused allows
+    # (a bare AcceleratedOptimizer reading the state_dict of an accumulating optimizer is refused).
+    wrapped = AcceleratedOptimizer(trainer.optimizer, device_placement=False, scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match="GradScaler.*bf16=True"):
         af_hf.AccumFusedCallback().on_train_begin(trainer.args, trainer.state, trainer.control, optimizer=wrapped,
                                                   model=model)

@@ -276,8 +276,10 @@ def test_a_window_without_gradients_is_not_an_update(backend, name):
     model = make_model()
     opt = _accum(name, model, backend, 2)
     before = snapshot(opt)
-    for _ in range(2):
-        opt.step()  # no backward: every grad is None
+    with pytest.warns(UserWarning, match="found no gradient on any parameter") as record:
+        for _ in range(2):
+            opt.step()  # no backward: every grad is None
+    assert len(record) == 1  # once per optimizer
     assert opt.updated is False and opt.update_count == 0 and opt.micro_step == 0
     opt.step()
     assert opt.flush() is False and opt.update_count == 0

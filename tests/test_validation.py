@@ -37,6 +37,90 @@ def test_bad_accumulation_steps(backend, name, value, exc):
         OPTIMIZERS[name][0](make_model().parameters(), accumulation_steps=value, backend=backend)
 
 
+@pytest.mark.parametrize("value,exc", [
+    pytest.param(0, ValueError, id="zero"),
+    pytest.param(-1, ValueError, id="negative"),
+    pytest.param(2.5, TypeError, id="float"),
+    pytest.param(True, TypeError, id="bool"),
+])
+@pytest.mark.parametrize("name", NAMES + ["GradientAccumulator"])
+def test_accumulation_steps_assigned_later_is_validated_like_the_constructor(name, value, exc):
+    """Issue 29 row 10: ``opt.accumulation_steps = 0`` was accepted and behaved as 1."""
+    model = make_model()
+    if name == "GradientAccumulator":
+        opt = accum_fused.GradientAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    else:
+        opt = OPTIMIZERS[name][0](model.parameters(), accumulation_steps=2)
+    with pytest.raises(exc, match="accumulation_steps"):
+        opt.accumulation_steps = value
+    assert opt.accumulation_steps == 2
+    opt.accumulation_steps = 3  # a valid change is taken, and survives a copy and a pickle round trip
+    import copy
+    import pickle
+    assert copy.deepcopy(opt).accumulation_steps == 3 and pickle.loads(pickle.dumps(opt)).accumulation_steps == 3
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named_parameters", "parameters"])
+def test_a_shape_changed_mid_window_is_a_value_error_naming_the_parameter(backend, named):
+    """Issue 29 row 7: a RuntimeError naming the parameter by index only. ValueError as the README
+    says; by name where the optimizer was given names; nothing changes."""
+    model = make_model()
+    params = model.named_parameters() if named else model.parameters()
+    opt = accum_fused.AdamW(params, lr=0.01, accumulation_steps=3, backend=backend)
+    batches = make_batches([2, 3, 2])
+    loss_of(model, batches[0]).backward()
+    opt.step()
+    held = opt.param_groups[0]["params"][-1]  # the last Linear's bias, shape (3,)
+    held.data = torch.zeros(5)
+    held.grad = torch.ones(5)
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=r"changed shape from \(3,\) in the middle of a window") as info:
+        opt.step()
+    assert ("'2.bias'" in str(info.value)) == named
+    assert ("named_parameters" in str(info.value)) == (not named)
+    assert_unchanged(opt, before)
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named_parameters", "parameters"])
+def test_a_shape_changed_between_windows_names_the_parameter(backend, named):
+    """Issue 29 row 8: said "the loaded state_dict belongs to another model" though nothing was
+    loaded; now the message names the parameter and both causes."""
+    model = make_model()
+    params = model.named_parameters() if named else model.parameters()
+    opt = accum_fused.AdamW(params, lr=0.01, accumulation_steps=1, backend=backend)
+    loss_of(model, make_batches([2])[0]).backward()
+    opt.step()
+    opt.zero_grad()
+    held = opt.param_groups[0]["params"][-1]
+    held.data = torch.zeros(5)
+    held.grad = torch.ones(5)
+    with pytest.raises(ValueError, match="changed shape after the optimizer's last update") as info:
+        opt.step()
+    assert ("'2.bias'" in str(info.value)) == named
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_step_without_any_gradient_warns_once(backend, name):
+    """Issue 29 row 11: a stray step(weight=5) diluted the window by 5/9, silently. It still
+    counts (the documented meaning), with one warning naming what it did; a step where only some
+    parameters have gradients does not warn."""
+    model = make_model()
+    opt = OPTIMIZERS[name][0](model.parameters(), accumulation_steps=3, backend=backend, **HYPER[name])
+    batches = make_batches([2, 3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss_of(model, batches[0]).backward()
+        model[0].weight.grad = None  # some parameters without a gradient: the documented meaning, no warning
+        opt.step()
+    with pytest.warns(UserWarning, match="counted as a micro-batch of weight 5 with zero gradients"):
+        opt.step(weight=5)
+    assert opt.micro_step == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per optimizer
+        opt.step()
+    assert opt.update_count == 1
+
+
 @pytest.mark.parametrize("value", [0, -1.0, float("nan")], ids=["zero", "negative", "nan"])
 @pytest.mark.parametrize("name", NAMES)
 def test_bad_max_grad_norm(backend, name, value):

@@ -49,8 +49,39 @@ def check_first_step(opt) -> None:
         stepped_by_accelerate |= wrapper_type is not None and type(caller) is wrapper_type
         frame = frame.f_back
     if stepped_by_accelerate:
-        raise RuntimeError(
-            f"{type(opt).__name__} is stepped by accelerate's own Accelerator: it rejects step(weight=), steps a "
-            "prepared scheduler on every micro-batch and drops the partial last window. Use "
-            "accum_fused.integrations.accelerate.Accelerator (a subclass of accelerate's) in its place"
-        )
+        raise _accelerate_error(opt, "is stepped by")
+
+
+def check_wrapped(opt) -> None:
+    """From ``state_dict()``: accelerate's own ``prepare`` reads it while wrapping the optimizer
+    (AcceleratedOptimizer's device placement). Refused there, before the loop's first
+    ``opt.step(weight=n)`` meets accelerate's ``TypeError`` about an unexpected keyword, which
+    names nothing of accum_fused. (With ``device_placement=False`` the first step() says it.)"""
+    if opt.accumulation_steps == 1 and not opt.in_backward:
+        return
+    wrapper_type = getattr(sys.modules.get("accelerate.optimizer"), "AcceleratedOptimizer", None)
+    if wrapper_type is None:
+        return
+    frame = sys._getframe(2)
+    if type(frame.f_locals.get("self")) is not wrapper_type:
+        return
+    # accum_fused's Accelerator lets accelerate build the wrapper, then gives it our class; the
+    # Trainer prepares through accelerate's own, and its rule (check_first_step) decides there.
+    allowed = tuple(t for t in (
+        getattr(sys.modules.get("accum_fused.integrations.accelerate"), "Accelerator", None),
+        getattr(sys.modules.get("transformers.trainer"), "Trainer", None)) if t is not None)
+    for _ in range(40):  # the Trainer's loop is ~10 frames above prepare's; asked once per prepare
+        frame = frame.f_back
+        if frame is None:
+            break
+        if allowed and isinstance(frame.f_locals.get("self"), allowed):
+            return
+    raise _accelerate_error(opt, "was prepared by")
+
+
+def _accelerate_error(opt, how: str) -> RuntimeError:
+    return RuntimeError(
+        f"{type(opt).__name__} (accumulating) {how} accelerate's own Accelerator: it rejects step(weight=), steps a "
+        "prepared scheduler on every micro-batch and drops the partial last window. Use "
+        "accum_fused.integrations.accelerate.Accelerator (a subclass of accelerate's) in its place"
+    )
