@@ -90,10 +90,24 @@ def state_dict(opt, torch_state_dict: dict[str, Any]) -> dict[str, Any]:
     return state_dict
 
 
+def _process() -> tuple[int, int] | None:
+    """(global rank, world size) in a job of several processes, else None."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank(), dist.get_world_size()
+    return None
+
+
 def accumulation_entry(opt) -> dict[str, Any]:
     win = opt._window
     index = {p: i for i, p in enumerate(opt._all_params())}
+    # An open window in a job of several processes holds this rank's micro-batches only: the
+    # entry says whose ("save on rank 0, load everywhere" would resume every rank with rank 0's).
+    # A boundary state_dict (nothing open) is the same on every rank and stays rank-free.
+    open_window = win.micro_step > 0 or bool(win.live)
+    owner = _process() if open_window else None
     return {
+        **({} if owner is None else {"rank": owner[0], "world_size": owner[1]}),
         "accumulation_steps": opt.accumulation_steps,
         "micro_step": win.micro_step,
         "weight_sum": win.weight_sum,
@@ -188,6 +202,17 @@ def split_accumulation_entry(opt, state_dict: dict[str, Any]):
 
 
 def _check_accumulation_entry(opt, accumulation: dict[str, Any], by_id: dict) -> None:
+    if "rank" in accumulation:
+        saved, here = (accumulation["rank"], accumulation["world_size"]), _process()
+        if saved != here:
+            where = "a single process" if here is None else f"rank {here[0]} of {here[1]}"
+            raise ValueError(
+                f"this state_dict holds the open window of rank {saved[0]} of {saved[1]} (its micro-batches "
+                f"{accumulation['micro_step']} so far), but it is loaded on {where}: each rank's open window holds "
+                "its own micro-batches. Save and load every rank's own state_dict mid-window (e.g. "
+                "torch.save(opt.state_dict(), f'opt_rank{rank}.pt')), or save at a window boundary (after the update "
+                "or opt.flush()), which loads on any rank and any world size"
+            )
     micro_step = accumulation["micro_step"]
     # in_backward mode A (accumulation_steps=1): the caller's loop owns the window, which holds
     # as many backward passes as that loop ran before step(); any count fits.

@@ -211,6 +211,46 @@ def resume_mid_window(name, rank, backend, group, data):
         assert torch.equal(a, b), f"param {i}: resumed run differs by {(a - b).abs().max().item()}"
 
 
+def rank0_checkpoint_on_every_rank(name, rank, backend, group, data):
+    """Issue 29 row 4: rank 0's mid-window state_dict loaded on every rank (the "save on rank 0"
+    habit) resumed every rank with rank 0's micro-batches, 2e-2 off, silently. It is refused on
+    another rank and in another world size, before anything changes; a boundary state_dict
+    (rank-free) loads on any rank."""
+    model = Net(seed=100 + rank)
+    opt = _build(name, model, rank, backend, group)
+    train(model, opt, data[rank][0][:1])
+    mid = opt.state_dict()
+    assert (mid["accumulation"]["rank"], mid["accumulation"]["world_size"]) == (rank, dist.get_world_size())
+    from_rank0 = [mid]
+    dist.broadcast_object_list(from_rank0, src=0)
+    fresh = _build(name, Net(seed=100 + rank), rank, backend, group)
+    if rank == 0:
+        fresh.load_state_dict(from_rank0[0])
+        assert fresh.micro_step == 1
+    else:
+        try:
+            fresh.load_state_dict(from_rank0[0])
+        except ValueError as e:
+            assert "holds the open window of rank 0 of 2" in str(e) and "every rank's own" in str(e), e
+        else:
+            raise AssertionError("rank 0's mid-window state_dict loaded on rank 1")
+        assert fresh.micro_step == 0 and fresh.state_dict()["state"] == {}
+    other_world = {**mid, "accumulation": {**mid["accumulation"], "world_size": 4}}
+    try:
+        _build(name, Net(seed=100 + rank), rank, backend, group).load_state_dict(other_world)
+    except ValueError as e:
+        assert "of 4" in str(e), e
+    else:
+        raise AssertionError("a mid-window state_dict of 4 ranks loaded into 2")
+    train(model, opt, data[rank][0][1:])
+    assert opt.updated and opt.micro_step == 0
+    boundary = opt.state_dict()
+    assert "rank" not in boundary["accumulation"]
+    from_rank0 = [boundary]
+    dist.broadcast_object_list(from_rank0, src=0)
+    _build(name, Net(seed=100 + rank), rank, backend, group).load_state_dict(from_rank0[0])  # loads anywhere
+
+
 def _ddp_window_loss(model, batch, window_samples: int) -> torch.Tensor:
     """Mode A under DDP, as transformers' Trainer scales it: the micro-batch's share of the
     window's samples over every rank, times the world size (DDP averages over the ranks)."""
@@ -532,6 +572,7 @@ SCENARIOS = {
     "big_batch": (big_batch, list(OPTIMIZERS)),
     "inf_skips_window": (inf_skips_window, ["AdamW-clip", "wrapped-RMSprop-clip"]),
     "resume_mid_window": (resume_mid_window, ["AdamW-clip", "SGD-nesterov", "wrapped-RMSprop-clip"]),
+    "rank0_checkpoint_on_every_rank": (rank0_checkpoint_on_every_rank, ["AdamW-clip", "wrapped-RMSprop-clip"]),
     "ddp_plain": (ddp_plain, ["AdamW-clip", "wrapped-RMSprop-clip"]),
     "ddp_mode_a": (ddp_mode_a, ["AdamW-clip", "SGD-nesterov"]),
     "ddp_mode_b": (ddp_mode_b, ["AdamW-clip"]),
