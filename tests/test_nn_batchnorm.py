@@ -224,6 +224,64 @@ def test_track_running_stats_false_is_left_alone():
     assert "forward" not in untracked.__dict__
 
 
+# -------------------------------------------------------------------------- torch.compile
+def _compiled(form: str, model, opt, mode: str):
+    """(the callable a micro-batch's forward goes through, a micro-batch function or None)."""
+    if form == "torch.compile":
+        return torch.compile(model), None
+    if form == "model.compile":
+        model.compile()
+        return model, None
+    if form == "fullgraph":
+        return torch.compile(model, fullgraph=True), None
+    if form == "compiled-opt.step":
+        opt.step = torch.compile(opt.step)
+        return model, None
+    assert form == "compiled-step-function"  # forward, backward and step in one compiled function
+
+    @torch.compile
+    def train_step(x):
+        micro_batch(opt, model, x, mode)
+
+    return model, train_step
+
+
+COMPILE_CASES = [("plain", form) for form in ("torch.compile", "model.compile", "fullgraph", "compiled-opt.step",
+                                              "compiled-step-function")]
+COMPILE_CASES += [("B", form) for form in ("torch.compile", "model.compile", "fullgraph")]
+
+
+@pytest.mark.parametrize("mode,form", COMPILE_CASES, ids=[f"{m}-{f}" for m, f in COMPILE_CASES])
+def test_compiled_forwards_record_every_micro_batch(mode, form):
+    """Compiled, the record is still every call's: the element counts (which a traced record
+    froze: 100, 200, 300, 300) and so the running statistics are the big batch's, for uneven
+    micro-batch sizes (recompiled with dynamic shapes) and momentum None (every window counts)."""
+    torch._dynamo.reset()  # (a fresh cache: the recompile limit must not send these forwards to eager)
+    model = make_model(momentum=None)
+    windows = make_data()
+    expected = oracle_states(model[0], windows)
+    opt = (accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=K, in_backward=True) if mode == "B"
+           else accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=K))
+    window_batchnorm(model, opt)
+    forward, step = _compiled(form, model, opt, mode)
+    for w, xs in enumerate(windows):
+        for i, x in enumerate(xs):
+            if step is not None:
+                step(x)
+            else:
+                micro_batch(opt, forward, x, mode)
+            if i + 1 < len(xs):
+                record = model[0].forward.__self__.record
+                assert record.calls[0][0] == sum(map(len, xs[:i + 1])) * 16  # (16 values per sample and channel)
+        end_window(opt, mode, partial=len(xs) < K)
+        assert_state(bn_state(model[0]), expected[w], f"window {w}")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+    native = make_model(momentum=None)
+    native.load_state_dict(model.state_dict())
+    x = windows[0][0]
+    torch.testing.assert_close(forward(x), native(x))  # normalised as torch's module does
+
+
 # ------------------------------------------------------------ skipped and discarded windows
 def test_a_skipped_window_still_updates_the_statistics():
     """GradScaler finds an inf in window 1: no update, but the big batch's forward happened."""
@@ -434,7 +492,7 @@ def _checkpoint_run(name: str, stop: bool):
             if stop and done == STOP_AFTER:
                 saved = pickle.loads(pickle.dumps((model.state_dict(), opt.state_dict())))
                 per_sample = x[0, 0].numel()
-                assert saved[1][STATE_KEY]["0"]["count"] == sum(map(len, xs[:i])) * per_sample
+                assert saved[1][STATE_KEY]["0"]["calls"][0]["count"] == sum(map(len, xs[:i])) * per_sample
                 model = make_model(seed=5)
                 opt = factory(model.parameters(), "torch")
                 window_batchnorm(model, opt)
@@ -467,14 +525,14 @@ def test_a_checkpoint_replaces_the_open_windows_statistics_or_is_refused():
     other_opt = accum_fused.SGD(other.parameters(), lr=0.1, accumulation_steps=K)
     window_batchnorm(other, other_opt)
     micro_batch(other_opt, other, xs[1], "plain")
-    pending = handle._taken["0"].pending
+    record = handle._taken["0"].record
     with pytest.raises(ValueError, match="'1.0'.*does not take"):
         opt.load_state_dict(other_opt.state_dict())
-    assert handle._taken["0"].pending is pending and opt.micro_step == 1
+    assert handle._taken["0"].record is record and record.calls and opt.micro_step == 1
     # A checkpoint without window statistics (saved at a boundary, or without a handle): none.
     fresh = accum_fused.SGD(make_model().parameters(), lr=0.1, accumulation_steps=K)
     opt.load_state_dict(fresh.state_dict())
-    assert handle._taken["0"].pending is None and opt.micro_step == 0
+    assert not handle._taken["0"].record.calls and opt.micro_step == 0
 
 
 # ------------------------------------------------------------------------- two gloo ranks

@@ -31,6 +31,7 @@ it only listens (window.WindowListeners) and keeps its own records on the handle
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -43,7 +44,7 @@ from ..base import AccumulatingOptimizer
 from ..optim import GradientAccumulator
 from ..window import window_listeners
 
-# The optimizer state_dict's entry: {qualified module name: {"count", "mean", "m2"}}.
+# The optimizer state_dict's entry: {qualified module name: _Record.to_state()}.
 STATE_KEY = "window_batchnorm"
 
 Stats = tuple[float, Tensor, Tensor]  # per channel: (element count n, mean, M2), mean and M2 in fp64
@@ -77,32 +78,53 @@ def _combine(a: Stats | None, b: Stats) -> Stats:
     return n, ma + delta * (nb / n), m2a + m2b + delta.square() * (na * nb / n)
 
 
-def _pool_ranks(stats: list[Stats | None], modules: list[_BatchNorm], group) -> list[Stats | None]:
-    """Every rank's window statistics pooled over ``group``: one all_reduce of the per-channel
-    sums (n, n*mean, M2 + n*mean^2) in fp64, zeros where a rank has none (every rank takes part,
-    as every rank closes the window). Sums, so that one all_reduce pools them (Chan's pairs would
-    need an all_gather); the price, M2 recovered as a difference, is about (mean/std)^2 * 1e-16
-    relative in fp64: negligible for activations."""
+def _pool_ranks(calls: list[list[Stats]], problems: list[str | None], names: list[str],
+                modules: list[_BatchNorm], group) -> list[list[Stats]]:
+    """Every rank's window statistics pooled over ``group``, call by call (``calls[i][j]``: module
+    i's j-th call of each micro-batch, pooled over this rank's micro-batches). Two all_reduces,
+    every rank taking part as every rank closes the window: the calls per micro-batch (the most
+    any rank made, the fewest any rank with calls made, whether any rank's own record is
+    inconsistent), so that every rank raises together or pads to the same layout; then the
+    per-channel sums (n, n*mean, M2 + n*mean^2) in fp64, zeros where a rank has no such call.
+    Sums, so that one all_reduce pools them (Chan's pairs would need an all_gather); the price,
+    M2 recovered as a difference, is about (mean/std)^2 * 1e-16 relative in fp64: negligible for
+    activations."""
     device = modules[0].running_mean.device
+    none = 1 << 62  # the fewest calls of a rank without any
+    agree = torch.tensor([[len(c), -(len(c) or none), problem is not None] for c, problem in zip(calls, problems)],
+                         dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(agree, op=torch.distributed.ReduceOp.MAX, group=group)
+    agreed = agree.tolist()
+    for name, problem, (most, fewest, anywhere) in zip(names, problems, agreed):
+        if problem is not None:
+            raise RuntimeError(problem)
+        if anywhere or (-fewest not in (most, none)):
+            raise RuntimeError(
+                f"BatchNorm {name!r}: the ranks' micro-batches call it a different number of times in this window "
+                f"(between {min(-fewest, most)} and {most} per micro-batch; see the other ranks' errors), and its "
+                "statistics were dropped: every micro-batch of every rank must call it equally often")
     parts = []
-    for m, s in zip(modules, stats):
-        if s is None:
-            parts.append(torch.zeros(1 + 2 * m.running_mean.numel(), dtype=torch.float64, device=device))
-        else:
-            n, mean, m2 = s
-            parts.append(torch.cat([mean.new_tensor([n]), n * mean, m2 + n * mean.square()]).to(device))
+    for m, mine, (most, _, _) in zip(modules, calls, agreed):
+        for j in range(most):
+            if j < len(mine):
+                n, mean, m2 = mine[j]
+                parts.append(torch.cat([mean.new_tensor([n]), n * mean, m2 + n * mean.square()]).to(device))
+            else:
+                parts.append(torch.zeros(1 + 2 * m.running_mean.numel(), dtype=torch.float64, device=device))
+    if not parts:
+        return [[] for _ in modules]
     flat = torch.cat(parts)
     torch.distributed.all_reduce(flat, group=group)
     pieces = flat.split([p.numel() for p in parts])
-    counts = torch.stack([piece[0] for piece in pieces]).tolist()  # (one host sync, not one per module)
-    pooled = []
-    for n, piece in zip(counts, pieces):
-        if n == 0:
-            pooled.append(None)
-            continue
-        s1, s2 = piece[1:].chunk(2)
-        mean = s1 / n
-        pooled.append((n, mean, (s2 - n * mean.square()).clamp_min(0)))
+    counts = torch.stack([piece[0] for piece in pieces]).tolist()  # (one host sync, not one per call)
+    pooled, at = [], 0
+    for most, _, _ in agreed:
+        pooled.append([])
+        for n, piece in zip(counts[at:at + most], pieces[at:at + most]):
+            s1, s2 = piece[1:].chunk(2)
+            mean = s1 / n
+            pooled[-1].append((n, mean, (s2 - n * mean.square()).clamp_min(0)))
+        at += most
     return pooled
 
 
@@ -124,19 +146,101 @@ def _update_running(m: _BatchNorm, stats: Stats) -> None:
         running.copy_(running.double() * (1 - factor) + stat.to(running.device) * factor)
 
 
+# ------------------------------------------------------------------------ the window's record
+def _miscount(name: str, calls: int, others: int) -> str:
+    return (
+        f"BatchNorm {name!r} was called {calls} time(s) in one micro-batch of this window and {others} time(s) in "
+        "another: window_batchnorm updates the running statistics as the big batch's forward would, once per call, "
+        "pooling call j of every micro-batch, so every micro-batch of a window must call the module equally often. "
+        "A forward repeated before its micro-batch reached step() / opt.backward() (a retried micro-batch, a "
+        "forward for logging) counts as more calls: run such forwards in eval mode (model.eval()), or in a window "
+        "of their own"
+    )
+
+
+class _Record:
+    """One module's training forwards in the open window. ``calls[j]``: the statistics of its j-th
+    call in each micro-batch, pooled over the micro-batches (the big batch's forward makes the
+    same calls, each on the concatenation of what the micro-batches passed to it);
+    ``per_micro_batch``: how many calls a micro-batch makes, known once one micro-batch has
+    ended; ``micro_batch`` / ``made``: the micro-batch being recorded (the window's micro_step,
+    which moves on when step() or a backward pass takes a micro-batch) and its calls so far."""
+
+    def __init__(self, calls: list[Stats] | None = None, per_micro_batch: int | None = None,
+                 micro_batch: int | None = None, made: int = 0) -> None:
+        self.calls = [] if calls is None else calls
+        self.per_micro_batch = per_micro_batch
+        self.micro_batch = micro_batch
+        self.made = made
+
+    def add(self, name: str, micro_batch: int, stats: Stats) -> None:
+        """Pool one call's ``stats`` into the call it is; a call that makes its micro-batch's count
+        differ from the others' raises and changes nothing."""
+        per, made = self.per_micro_batch, self.made
+        if micro_batch != self.micro_batch:  # the micro-batch recorded so far has ended
+            if self.micro_batch is not None:
+                if per is not None and made != per:
+                    raise RuntimeError(_miscount(name, made, per))
+                per = made
+            made = 0
+        if per is not None and made >= per:
+            raise RuntimeError(_miscount(name, made + 1, per))
+        if made < len(self.calls):
+            self.calls[made] = _combine(self.calls[made], stats)
+        else:
+            self.calls.append(stats)
+        self.per_micro_batch, self.micro_batch, self.made = per, micro_batch, made + 1
+
+    def problem(self, name: str) -> str | None:
+        """At the window's close: the last micro-batch made fewer calls than the others (more, or
+        fewer in an earlier one, raised at a forward)."""
+        if self.per_micro_batch is not None and self.made != self.per_micro_batch:
+            return _miscount(name, self.made, self.per_micro_batch) + "; the window's statistics were dropped"
+        return None
+
+    def to_state(self) -> dict:
+        return {"calls": [{"count": n, "mean": mean.clone(), "m2": m2.clone()} for n, mean, m2 in self.calls],
+                "per_micro_batch": self.per_micro_batch, "micro_batch": self.micro_batch, "made": self.made}
+
+    @classmethod
+    def from_state(cls, name: str, saved: dict, module: _BatchNorm) -> _Record:
+        """A saved record, checked against ``module``; a checkpoint from before per-call records
+        holds one (count, mean, m2): one call per micro-batch, the micro-batches so far ended."""
+        if "calls" not in saved:
+            saved = {"calls": [saved], "per_micro_batch": 1, "micro_batch": None, "made": 0}
+        channels = (module.running_mean.numel(),)
+        calls = []
+        for call in saved["calls"]:
+            if call["mean"].shape != channels or call["m2"].shape != channels:
+                raise ValueError(f"the checkpoint's window statistics of BatchNorm {name!r} have "
+                                 f"{tuple(call['mean'].shape)} channels, the module {channels}")
+            device = module.running_mean.device
+            calls.append((float(call["count"]), call["mean"].to(device, torch.float64),
+                          call["m2"].to(device, torch.float64)))
+        return cls(calls, saved["per_micro_batch"], saved["micro_batch"], saved["made"])
+
+
 # ----------------------------------------------------------------------------- the modules
 def _no_optimizer():
     return None
 
 
+# The modules taken, by slot: how the compiled forward's record op finds its module.
+_TAKEN: weakref.WeakValueDictionary[int, _Taken] = weakref.WeakValueDictionary()
+_SLOTS = itertools.count()
+
+
 class _Taken:
     """One BatchNorm module taken over: its forward, its optimizer (weakly: a model does not
-    keep an optimizer alive) and the statistics of its training forwards in the open window."""
+    keep an optimizer alive) and the record of its training forwards in the open window."""
 
-    def __init__(self, module: _BatchNorm, opt=None) -> None:
+    def __init__(self, module: _BatchNorm, opt=None, name: str = "") -> None:
         self.module = module
+        self.name = name
         self.optimizer = _no_optimizer if opt is None else weakref.ref(opt)
-        self.pending: Stats | None = None
+        self.record = _Record()
+        self.slot = next(_SLOTS)
+        _TAKEN[self.slot] = self
 
     def __reduce__(self):
         # A copy of the model (deepcopy, pickle, torch.save: an EMA model, say) is not the
@@ -155,8 +259,37 @@ class _Taken:
         # _BatchNorm.forward's own call for track_running_stats=False: normalised with the
         # micro-batch's statistics, the running statistics not passed, so not updated.
         out = F.batch_norm(input, None, None, m.weight, m.bias, True, 0.0, m.eps)
-        self.pending = _combine(self.pending, _moments(input))  # after the forward succeeded
+        if torch.compiler.is_compiling():
+            # Traced, the record would run once, at tracing, with its Python numbers baked into the
+            # graph (element counts stuck at 100, 200, 300, 300 over four micro-batches of 100; the
+            # running variance 1.94x the big batch's after 10 windows): the graph calls this op
+            # instead, which records in Python at every call, in call order (an ordered effect).
+            _record_op(input.detach(), self.slot)
+        else:
+            self.add(input)  # after the forward succeeded
         return out
+
+    def add(self, input: Tensor) -> None:
+        opt = self.optimizer()
+        if opt is not None:  # (a compiled graph may outlive the optimizer)
+            self.record.add(self.name, opt._window.micro_step, _moments(input))
+
+
+@torch.library.custom_op("accum_fused::window_batchnorm_record", mutates_args=())
+def _record_op(input: Tensor, slot: int) -> None:
+    """The compiled forward's record: ``_Taken.add`` of the module taken in ``slot``. Returns
+    nothing and is kept in the graph (not dead code) and in call order by its ordered effect."""
+    taken = _TAKEN.get(slot)
+    if taken is not None:
+        taken.add(input)
+
+
+@_record_op.register_fake
+def _(input: Tensor, slot: int) -> None:
+    return None
+
+
+_record_op.register_effect(torch.library.EffectType.ORDERED)
 
 
 class WindowBatchNorm:
@@ -165,12 +298,14 @@ class WindowBatchNorm:
     ``remove()`` gives the modules their own forward back, drops the open window's statistics and
     unregisters everything (idempotent)."""
 
+    state_key = STATE_KEY  # its entry of the optimizer's state_dict (checkpoint.py asks)
+
     def __init__(self, taken: dict[str, _Taken], opt) -> None:
         self._taken = taken
         self.names = list(taken)
         self.modules = [t.module for t in taken.values()]
         self._optimizer = weakref.ref(opt)
-        self._loading: dict[str, Stats] | None = None
+        self._loading: dict[str, _Record] | None = None
         # GradientAccumulator's state_dict() is its inner optimizer's plus the window: torch's
         # hooks run on the inner one.
         target = opt.optimizer if isinstance(opt, GradientAccumulator) else opt
@@ -181,52 +316,43 @@ class WindowBatchNorm:
     # -------------------------------------------------------------- window listener
     def window_closed(self, opt, applied: bool) -> None:
         """Applied or skipped (non-finite gradients), the big batch's forward would have updated
-        the running statistics: they are updated either way."""
-        stats = [t.pending for t in self._taken.values()]
+        the running statistics: they are updated either way, once per call, in call order. Every
+        module's record is checked before any running statistic changes."""
+        records = [t.record for t in self._taken.values()]
         self.window_discarded(opt)
+        calls = [r.calls for r in records]
+        problems = [r.problem(name) for name, r in zip(self.names, records)]
         if opt.process_group is not None:
-            stats = _pool_ranks(stats, self.modules, opt.process_group)
-        for m, s in zip(self.modules, stats):
-            if s is not None:
-                _update_running(m, s)
+            calls = _pool_ranks(calls, problems, self.names, self.modules, opt.process_group)
+        for problem in problems:
+            if problem is not None:
+                raise RuntimeError(problem)
+        for m, module_calls in zip(self.modules, calls):
+            for stats in module_calls:
+                _update_running(m, stats)
 
     def window_discarded(self, opt) -> None:
         for t in self._taken.values():
-            t.pending = None
+            t.record = _Record()
 
     # ------------------------------------------------------------------- checkpoint
     def _save(self, optimizer, state_dict: dict) -> None:
-        state_dict[STATE_KEY] = {name: {"count": t.pending[0], "mean": t.pending[1].clone(), "m2": t.pending[2].clone()}
-                                 for name, t in self._taken.items() if t.pending is not None}
+        state_dict[STATE_KEY] = {name: t.record.to_state() for name, t in self._taken.items() if t.record.calls}
 
     def _check_load(self, optimizer, state_dict: dict) -> None:
         """Checked before the optimizer loads anything; applied by _load once it has."""
-        loading = {}
-        for name, saved in state_dict.get(STATE_KEY, {}).items():
-            t = self._taken.get(name)
-            if t is None:
-                raise ValueError(
-                    f"the checkpoint holds window statistics of BatchNorm {name!r}, which this window_batchnorm "
-                    f"handle does not take (it takes {self.names}): load it with the model it was saved with"
-                )
-            channels = (t.module.running_mean.numel(),)
-            if saved["mean"].shape != channels or saved["m2"].shape != channels:
-                raise ValueError(f"the checkpoint's window statistics of BatchNorm {name!r} have "
-                                 f"{tuple(saved['mean'].shape)} channels, the module {channels}")
-            device = t.module.running_mean.device
-            loading[name] = (float(saved["count"]), saved["mean"].to(device, torch.float64),
-                             saved["m2"].to(device, torch.float64))
-        self._loading = loading
+        self._loading = _parse_entry(self._taken, state_dict.get(STATE_KEY, {}))
 
     def _load(self, optimizer) -> None:
         """The loaded window replaces the open one: so do its statistics (none when it has none)."""
         loading, self._loading = self._loading or {}, None
         for name, t in self._taken.items():
-            t.pending = loading.get(name)
+            t.record = loading.get(name) or _Record()
 
     # ----------------------------------------------------------------------- remove
     def remove(self) -> None:
         for t in self._taken.values():
+            t.optimizer = _no_optimizer  # (a compiled graph still calling its record op records nothing)
             if t.module.__dict__.get("forward") == t.forward:
                 del t.module.forward
         self._taken.clear()
@@ -236,6 +362,21 @@ class WindowBatchNorm:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+
+def _parse_entry(taken: dict[str, _Taken], entry: dict) -> dict[str, _Record]:
+    """A checkpoint's ``"window_batchnorm"`` entry as records of the modules ``taken``, or a
+    ValueError naming what does not match."""
+    records = {}
+    for name, saved in entry.items():
+        t = taken.get(name)
+        if t is None:
+            raise ValueError(
+                f"the checkpoint holds window statistics of BatchNorm {name!r}, which this window_batchnorm "
+                f"handle does not take (it takes {list(taken)}): load it with the model it was saved with"
+            )
+        records[name] = _Record.from_state(name, saved, t.module)
+    return records
 
 
 def window_batchnorm(model: nn.Module, opt) -> WindowBatchNorm:
@@ -310,7 +451,7 @@ def window_batchnorm(model: nn.Module, opt) -> WindowBatchNorm:
                              "would replace: pass only the submodules whose BatchNorm layers are torch's")
         if is_lazy(m.running_mean):
             raise ValueError(f"{label} is a lazy BatchNorm that has not seen an input: run one forward first")
-        taken[name] = _Taken(m, opt)
+        taken[name] = _Taken(m, opt, name)
     if not taken:
         why = (f"its BatchNorm modules ({', '.join(untracked)}) do not track running statistics "
                "(track_running_stats=False)" if untracked else "it has no nn.BatchNorm1d/2d/3d module")
