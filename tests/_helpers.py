@@ -202,16 +202,22 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (_ordered_bits16(a) - _ordered_bits16(b)).abs()
 
 
-def run_ranks(worker, out_dir, world_size: int, timeout_s: int) -> list[dict]:
+def run_ranks(worker, out_dir, world_size: int, stall_s: int) -> list[dict]:
     """Start ``python WORKER RANK WORLD_SIZE PORT OUT_DIR`` for every rank (gloo on a free
     127.0.0.1 port; tests/ on PYTHONPATH), wait, and return each rank's OUT_DIR/rank<R>.json
-    (scenario results). Fails the test on a timeout (a hung collective) or a crashed rank,
-    never leaving a rank behind."""
+    (scenario results). Fails the test when the ranks make no progress for ``stall_s`` seconds (a
+    hung collective), or a rank crashed, never leaving a rank behind.
+
+    Progress: a case finished (``run_worker_cases`` appends it to OUT_DIR/rank<R>.progress) or a
+    rank exited. So a loaded machine only makes the run longer: the limit bounds one case, not
+    the whole worker (a fixed 600 s for the whole FSDP2 worker failed 96 tests on a busy 2-core
+    machine, where it ran 462 s alone)."""
     import json
     import os
     import socket
     import subprocess
     import sys
+    import time
 
     import pytest
 
@@ -219,25 +225,45 @@ def run_ranks(worker, out_dir, world_size: int, timeout_s: int) -> list[dict]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(worker.parent), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(worker), str(rank), str(world_size), str(port), str(out_dir)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(world_size)]
-    logs = []
+    log_paths = [os.path.join(out_dir, f"rank{rank}.log") for rank in range(world_size)]
+    progress_paths = [os.path.join(out_dir, f"rank{rank}.progress") for rank in range(world_size)]
+
+    def tail(path: str, chars: int = 4000) -> str:
+        with open(path, errors="replace") as f:
+            return f.read()[-chars:]
+
+    def finished_cases() -> list[list[str]]:
+        return [tail(path, 10**6).split() if os.path.exists(path) else [] for path in progress_paths]
+
+    procs = []
     try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=timeout_s)[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the {world_size} gloo ranks did not finish within {timeout_s} s (a collective hung?)")
+        for rank, log_path in enumerate(log_paths):
+            with open(log_path, "w") as log:  # the child keeps its own descriptor
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(worker), str(rank), str(world_size), str(port), str(out_dir)],
+                    env=env, stdout=log, stderr=subprocess.STDOUT, text=True))
+        seen, since = None, time.monotonic()
+        while any(proc.poll() is None for proc in procs):
+            progress = (sum(map(len, finished_cases())), sum(proc.poll() is not None for proc in procs))
+            if progress != seen:
+                seen, since = progress, time.monotonic()
+            elif time.monotonic() - since > stall_s:
+                last = [cases[-1] if cases else "none" for cases in finished_cases()]
+                pytest.fail(f"the {world_size} gloo ranks made no progress for {stall_s} s (a collective hung?); "
+                            f"last case finished per rank: {last}\n" +
+                            "\n".join(f"rank {r} log:\n{tail(path, 2000)}" for r, path in enumerate(log_paths)))
+            time.sleep(0.2)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    for rank, (proc, log) in enumerate(zip(procs, logs)):
+    for rank, proc in enumerate(procs):
         # (whether the rank had written its results tells a crash in its work from one in teardown)
         wrote = os.path.exists(os.path.join(out_dir, f"rank{rank}.json"))
         assert proc.returncode == 0, (f"rank {rank} exited with {proc.returncode} "
-                                      f"({'after' if wrote else 'before'} writing its results):\n{log[-4000:]}")
+                                      f"({'after' if wrote else 'before'} writing its results):\n"
+                                      f"{tail(log_paths[rank])}")
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
@@ -268,12 +294,15 @@ def run_worker_cases(scenarios: dict, rank: int, out_dir: str, call) -> None:
     for scenario, (run, names) in scenarios.items():
         for name in names:
             for backend in worker_backends():
+                case = f"{scenario}-{name}[{backend}]"
                 try:
                     call(run, name, backend)
-                    results[f"{scenario}-{name}[{backend}]"] = "ok"
+                    results[case] = "ok"
                 except Exception:
-                    results[f"{scenario}-{name}[{backend}]"] = traceback.format_exc()
+                    results[case] = traceback.format_exc()
                 dist.barrier()
+                with open(os.path.join(out_dir, f"rank{rank}.progress"), "a") as f:
+                    f.write(case + "\n")  # run_ranks' sign of life
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
 

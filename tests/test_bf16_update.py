@@ -90,7 +90,7 @@ def test_stochastic_rounding_is_unbiased():
     assert not torch.equal(reference._stochastic_bf16(x, 1), reference._stochastic_bf16(x, 2))
 
 
-def _train(mode, backend="cpp", steps=400, lr=1e-4, in_backward=False, k=2, opt_cls=accum_fused.SGD):
+def _train(mode, backend, steps=400, lr=1e-4, in_backward=False, k=2, opt_cls=accum_fused.SGD):
     """Updates far below half a bf16 ulp of the weights (|w| ~ 1, ulp/2 = 2**-8): the fp32 truth
     moves by steps * lr."""
     torch.manual_seed(0)
@@ -120,12 +120,13 @@ def test_nearest_stalls_stochastic_and_kahan_do_not(backend):
     assert torch.all((kahan.float() - truth).abs() <= 2.0**-8)  # p itself: the nearest bf16 to p + c
 
 
-def test_in_backward_modes_match_the_plain_mode():
+def test_in_backward_modes_match_the_plain_mode(backend):
+    # (on every backend: it used cpp alone, without the skip, and failed without the extension)
     for mode in ("stochastic", "kahan"):
         for opt_cls in (accum_fused.SGD, accum_fused.AdamW):
-            plain, _ = _train(mode, steps=20, lr=1e-3, opt_cls=opt_cls)
-            mode_b, _ = _train(mode, steps=20, lr=1e-3, in_backward=True, opt_cls=opt_cls)
-            mode_a, _ = _train(mode, steps=20, lr=1e-3, in_backward=True, k=1, opt_cls=opt_cls)
+            plain, _ = _train(mode, backend, steps=20, lr=1e-3, opt_cls=opt_cls)
+            mode_b, _ = _train(mode, backend, steps=20, lr=1e-3, in_backward=True, opt_cls=opt_cls)
+            mode_a, _ = _train(mode, backend, steps=20, lr=1e-3, in_backward=True, k=1, opt_cls=opt_cls)
             assert torch.equal(plain, mode_b), (mode, opt_cls)
             assert not torch.equal(plain, mode_a)  # (k=1: another window length, another run)
 

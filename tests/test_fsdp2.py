@@ -21,7 +21,7 @@ from _helpers import finished_apart_from_gloo_exit_abort, run_ranks, worker_back
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
 WORLD_SIZE = 2
-TIMEOUT_S = 600
+TIMEOUT_S = 600  # without progress: one case (run_ranks), not the whole worker
 
 
 @pytest.fixture(scope="module")
