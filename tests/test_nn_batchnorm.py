@@ -224,6 +224,129 @@ def test_track_running_stats_false_is_left_alone():
     assert "forward" not in untracked.__dict__
 
 
+# ------------------------------------------------------- a module called twice per forward
+def call_input(x: torch.Tensor, j: int) -> torch.Tensor:
+    """What the forward's j-th call of the shared BatchNorm normalises: the data, shifted and scaled
+    per call so that the calls' statistics differ."""
+    return x * 0.5 ** j - 3.0 * j
+
+
+class SharedNorm(nn.Module):
+    """One BatchNorm2d called ``calls`` times per forward (a siamese net, a shared norm)."""
+
+    def __init__(self, momentum: float | None = 0.1, calls: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bn = nn.BatchNorm2d(3, momentum=momentum)
+        self.head = nn.Linear(48, 2)
+        self.calls = calls
+
+    def forward(self, x):
+        return self.head(sum(self.bn(call_input(x, j)) for j in range(self.calls)).flatten(1))
+
+
+def shared_oracle(bn, windows, calls: int = 2) -> list[tuple]:
+    """The big batch: per window, one training forward per call, in call order, each over that
+    call's inputs of every micro-batch concatenated."""
+    oracle = copy.deepcopy(bn).train()
+    states = []
+    for xs in windows:
+        for j in range(calls):
+            oracle(torch.cat([call_input(x, j) for x in xs]))
+        states.append(bn_state(oracle))
+    return states
+
+
+def drive_shared(opt, model, windows, mode: str, forward=None) -> list[tuple]:
+    states = []
+    for xs in windows:
+        for x in xs:
+            micro_batch(opt, model if forward is None else forward, x, mode)
+        end_window(opt, mode, partial=len(xs) < K)
+        states.append(bn_state(model.bn))
+    return states
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum0.1", "momentumNone"])
+@pytest.mark.parametrize("name", ["SGD-plain", "GradientAccumulator-plain", "AdamW-A", "AdamW-B"])
+def test_a_module_called_twice_updates_once_per_call(name, momentum):
+    factory, mode = OPTIMIZERS[name]
+    model = SharedNorm(momentum)
+    windows = make_data()
+    expected = shared_oracle(model.bn, windows)
+    opt = factory(model.parameters(), "torch")
+    window_batchnorm(model, opt)
+    for w, (got, want) in enumerate(zip(drive_shared(opt, model, windows, mode), expected)):
+        assert_state(got, want, f"window {w}")
+    assert int(model.bn.num_batches_tracked) == 2 * len(windows)  # the big batch's: one per call
+
+
+def test_a_compiled_module_called_twice_keeps_call_order():
+    """fullgraph=True: the record op's ordered effect keeps the calls in order (swapped, the first
+    update would take the second call's statistics)."""
+    torch._dynamo.reset()
+    model = SharedNorm(momentum=0.3)
+    windows = make_data()
+    expected = shared_oracle(model.bn, windows)
+    opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=K)
+    window_batchnorm(model, opt)
+    got = drive_shared(opt, model, windows, "plain", torch.compile(model, fullgraph=True))
+    for w, (g, want) in enumerate(zip(got, expected)):
+        assert_state(g, want, f"window {w}")
+
+
+def _record(model):
+    record = model.bn.forward.__self__.record
+    return [c[0] for c in record.calls], record.per_micro_batch, record.made
+
+
+def test_a_micro_batch_with_more_calls_is_refused_at_that_call():
+    model = SharedNorm(calls=1)
+    xs = make_data()[0]
+    opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=K)
+    window_batchnorm(model, opt)
+    micro_batch(opt, model, xs[0], "plain")
+    model.calls = 2
+    with pytest.raises(RuntimeError, match=r"'bn' was called 2 time\(s\) in one micro-batch.*and 1 time\(s\).*eval"):
+        model(xs[1])
+    per_sample = 16
+    assert _record(model) == ([(len(xs[0]) + len(xs[1])) * per_sample], 1, 1)  # its first call only
+
+
+def test_a_micro_batch_with_fewer_calls_is_refused():
+    """In a middle micro-batch: at the next micro-batch's first call. In the window's last: when
+    the window closes, which then leaves the running statistics as they were."""
+    model = SharedNorm(calls=2)
+    windows = make_data()
+    opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=K)
+    window_batchnorm(model, opt)
+    xs = windows[0]
+    micro_batch(opt, model, xs[0], "plain")
+    model.calls = 1
+    micro_batch(opt, model, xs[1], "plain")
+    with pytest.raises(RuntimeError, match=r"called 1 time\(s\) in one micro-batch.*and 2 time\(s\)"):
+        model(xs[2])
+    assert opt.micro_step == 2 and int(model.bn.num_batches_tracked) == 0
+    with pytest.raises(RuntimeError, match="statistics were dropped"):
+        opt.flush()  # (the window's last micro-batch, xs[1], made one call of two)
+    assert int(model.bn.num_batches_tracked) == 0
+
+    model.calls = 2
+    for x in xs[:2]:
+        micro_batch(opt, model, x, "plain")
+    model.calls = 1
+    before = bn_state(model.bn)
+    with pytest.raises(RuntimeError, match=r"called 1 time\(s\).*statistics were dropped"):
+        micro_batch(opt, model, xs[2], "plain")  # the window's last: it closes
+    after = bn_state(model.bn)
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1]) and after[2] == before[2]
+    # The next window starts clean.
+    model.calls = 2
+    expected = shared_oracle(model.bn, windows[1:2])
+    drive_shared(opt, model, windows[1:2], "plain")
+    assert_state(bn_state(model.bn), expected[0])
+
+
 # -------------------------------------------------------------------------- torch.compile
 def _compiled(form: str, model, opt, mode: str):
     """(the callable a micro-batch's forward goes through, a micro-batch function or None)."""
@@ -478,12 +601,15 @@ def test_copies_of_the_optimizer_carry_no_listener_or_model(wrapped):
 STOP_AFTER = 5  # micro-batches: window 1 (sizes 4, 7, 2) holds two
 
 
-def _checkpoint_run(name: str, stop: bool):
-    """Train ``name`` through the data; with ``stop``, save mid-window after STOP_AFTER
-    micro-batches and finish in a fresh model, optimizer and handle loaded from it."""
+def _checkpoint_run(name: str, stop: bool, shared: bool = False, edit=lambda saved: saved):
+    """Train ``name`` through the data (``shared``: a SharedNorm, its BatchNorm called twice per
+    forward); with ``stop``, save mid-window after STOP_AFTER micro-batches and finish in a fresh
+    model, optimizer and handle loaded from it (the optimizer's state_dict passed through
+    ``edit``)."""
     factory, mode = OPTIMIZERS[name]
     windows = make_data()
-    model = make_model()
+    make, bn_name = ((lambda seed: SharedNorm()), "bn") if shared else (make_model, "0")
+    model = make(seed=0)
     opt = factory(model.parameters(), "torch")
     window_batchnorm(model, opt)
     done = 0
@@ -492,26 +618,49 @@ def _checkpoint_run(name: str, stop: bool):
             if stop and done == STOP_AFTER:
                 saved = pickle.loads(pickle.dumps((model.state_dict(), opt.state_dict())))
                 per_sample = x[0, 0].numel()
-                assert saved[1][STATE_KEY]["0"]["calls"][0]["count"] == sum(map(len, xs[:i])) * per_sample
-                model = make_model(seed=5)
+                counts = [call["count"] for call in saved[1][STATE_KEY][bn_name]["calls"]]
+                assert counts == [sum(map(len, xs[:i])) * per_sample] * (2 if shared else 1)
+                model = make(seed=5)
                 opt = factory(model.parameters(), "torch")
                 window_batchnorm(model, opt)
                 model.load_state_dict(saved[0])
-                opt.load_state_dict(saved[1])
+                opt.load_state_dict(edit(saved[1]))
             micro_batch(opt, model, x, mode)
             done += 1
         end_window(opt, mode, partial=len(xs) < K)
     assert opt.update_count == len(windows)
-    return bn_state(model[0]), [p.detach().clone() for p in model.parameters()]
+    bn = model.bn if shared else model[0]
+    return bn_state(bn), [p.detach().clone() for p in model.parameters()]
+
+
+def _assert_resumed(run: tuple, resumed_run: tuple) -> None:
+    (state, params), (resumed, resumed_params) = run, resumed_run
+    assert torch.equal(resumed[0], state[0]) and torch.equal(resumed[1], state[1]) and resumed[2] == state[2]
+    for p, q in zip(resumed_params, params):
+        assert torch.equal(p, q)
 
 
 @pytest.mark.parametrize("name", ["SGD-plain", "GradientAccumulator-plain", "AdamW-A", "AdamW-B"])
 def test_mid_window_checkpoint_resumes_the_statistics(name):
-    (state, params), (resumed, resumed_params) = _checkpoint_run(name, False), _checkpoint_run(name, True)
-    assert torch.equal(resumed[0], state[0]) and torch.equal(resumed[1], state[1]) and resumed[2] == state[2]
-    for p, q in zip(resumed_params, params):
-        assert torch.equal(p, q)
-    assert_state(state, oracle_states(make_model()[0], make_data())[-1])
+    run = _checkpoint_run(name, False)
+    _assert_resumed(run, _checkpoint_run(name, True))
+    assert_state(run[0], oracle_states(make_model()[0], make_data())[-1])
+
+
+@pytest.mark.parametrize("name", ["SGD-plain", "AdamW-B"])
+def test_mid_window_checkpoint_carries_every_calls_statistics(name):
+    run = _checkpoint_run(name, False, shared=True)
+    _assert_resumed(run, _checkpoint_run(name, True, shared=True))
+    assert_state(run[0], shared_oracle(SharedNorm().bn, make_data())[-1])
+
+
+def test_a_checkpoint_from_before_per_call_records_loads():
+    """Saved by the version that pooled every call into one (count, mean, m2) per module."""
+    def old_format(saved):
+        (call,) = saved[STATE_KEY]["0"]["calls"]
+        return {**saved, STATE_KEY: {"0": call}}
+
+    _assert_resumed(_checkpoint_run("SGD-plain", False), _checkpoint_run("SGD-plain", True, edit=old_format))
 
 
 def test_a_checkpoint_replaces_the_open_windows_statistics_or_is_refused():
@@ -541,7 +690,8 @@ def test_a_checkpoint_replaces_the_open_windows_statistics_or_is_refused():
 # starts it as a script).
 STEPS_PER_RANK = (3, 2)
 RANK_SIZES = ([[3, 5, 2], [4, 2, 6], [5]], [[4, 2], [3, 7], []])
-TWO_RANK_CASES = ["plain-SGD[torch]", "plain-SGD[auto]", "B-AdamW[torch]", "ddp-SGD[auto]"]
+TWO_RANK_CASES = ["plain-SGD[torch]", "plain-SGD[auto]", "B-AdamW[torch]", "ddp-SGD[auto]", "plain-SGD-shared[torch]",
+                  "plain-SGD-miscounted[torch]"]
 TIMEOUT_S = 240
 
 
@@ -561,10 +711,16 @@ def _two_rank_case(case: str, rank: int, group) -> None:
 
     mode, backend = case.split("-")[0], case[case.index("[") + 1:-1]
     data = [make_data(sizes=RANK_SIZES[r], seed=10 + r) for r in range(2)]
-    model = make_model()
-    expected = oracle_states(model[0], [data[0][w] + data[1][w] for w in range(len(RANK_SIZES[0]))])
+    big_batches = [data[0][w] + data[1][w] for w in range(len(RANK_SIZES[0]))]
+    if "shared" in case or "miscounted" in case:  # the BatchNorm called twice per forward: each call pooled
+        model = SharedNorm()
+        bn = model.bn
+        expected = shared_oracle(bn, big_batches)
+    else:
+        model = make_model()
+        bn = model[0]
+        expected = oracle_states(bn, big_batches)
     k = STEPS_PER_RANK[rank]
-    bn = model[0]
     if mode == "B":
         opt = accum_fused.AdamW(model.parameters(), lr=1e-2, accumulation_steps=k, in_backward=True,
                                 process_group=group, backend=backend)
@@ -574,6 +730,14 @@ def _two_rank_case(case: str, rank: int, group) -> None:
         model, mode = DistributedDataParallel(model, process_group=group), "plain"
         opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=k, backend=backend)
     window_batchnorm(model, opt)
+    if "miscounted" in case:  # rank 1 calls it once per forward: every rank refuses the window together
+        model.calls = 2 - rank
+        with pytest.raises(RuntimeError, match="ranks' micro-batches call it a different number of times"):
+            for x in data[rank][0]:
+                micro_batch(opt, model, x, mode)
+        assert opt.update_count == 1 and int(bn.num_batches_tracked) == 0
+        opt.close()
+        return
     for w, xs in enumerate(data[rank]):
         for x in xs:
             micro_batch(opt, model, x, mode)

@@ -5,10 +5,12 @@ modules of ``model`` (``nn.BatchNorm1d/2d/3d`` with ``track_running_stats=True``
 training mode, a forward still normalises with its micro-batch's own statistics (the same output
 and gradients as the module's own forward) but leaves ``running_mean`` / ``running_var`` /
 ``num_batches_tracked`` alone and records the micro-batch's per-channel statistics instead; when
-``opt``'s window closes, the window's pooled statistics update the running statistics once, as
-one forward over the concatenated big batch would. The math is here, in one place: per channel a
+``opt``'s window closes, the window's pooled statistics update the running statistics as one
+forward over the concatenated big batch would: once per call of the module, call j of every
+micro-batch pooled together. Compiled (torch.compile), the record runs through a custom op with
+an ordered effect, so that it is the eager record at every call. The math is here, in one place: per channel a
 set of samples is (n, mean, M2), M2 the sum of squared deviations; micro-batches combine with
-Chan et al.'s parallel formula, ranks with one all_reduce of sums, and the running update is
+Chan et al.'s parallel formula, ranks with an all_reduce of sums, and the running update is
 ``_BatchNorm.forward``'s.
 
 Why: with gradient accumulation each micro-batch's forward updates the running statistics, so
@@ -391,9 +393,13 @@ def window_batchnorm(model: nn.Module, opt) -> WindowBatchNorm:
     micro-batch's per-channel element count, mean and sum of squared deviations (fp32 pass over
     the input, kept in fp64). When the window closes (the update applied, or skipped for
     non-finite gradients: the big batch's forward would have updated the statistics all the same)
-    they update the running statistics once, as one training forward over the concatenation of
-    the window's micro-batches would: mean, unbiased variance, ``momentum`` (or the cumulative
-    average when it is None), ``num_batches_tracked += 1``. A window given up without closing (a
+    they update the running statistics as one training forward over the concatenation of the
+    window's micro-batches would: mean, unbiased variance, ``momentum`` (or the cumulative average
+    when it is None), ``num_batches_tracked += 1``, once per call of the module in that forward (a
+    module called twice per forward, as in a siamese net, updates twice, in call order, the j-th
+    update with the j-th calls of every micro-batch). A micro-batch is the forwards before its
+    ``step()`` / backward pass; every micro-batch of a window must call the module equally often,
+    or the offending forward (or the window's close) raises. A window given up without closing (a
     failed backward pass that discards it, mode A's ``zero_grad()`` with micro-batches in the
     window) drops them; a window that closes without training forwards changes nothing. The
     statistics are every training forward's since the last window close: a forward whose backward
@@ -406,9 +412,12 @@ def window_batchnorm(model: nn.Module, opt) -> WindowBatchNorm:
     until the last forward. Normalising with micro-batch statistics is ghost batch normalisation
     (Hoffer et al., 2017), often a regulariser.
 
+    torch.compile: ``torch.compile(model)``, ``model.compile()`` (``fullgraph=True`` too), a
+    compiled ``opt.step`` or training-step function record every call as eager does.
+
     Several processes: with ``opt.process_group`` (given, or taken from a DDP module) the
-    statistics are pooled over its ranks when the window closes (one fp64 all_reduce; window
-    close is collective already), so they are the big batch over every rank's micro-batches:
+    statistics are pooled over its ranks when the window closes (two small fp64 all_reduces;
+    window close is collective already), so they are the big batch over every rank's micro-batches:
     call this on every rank, with the same model. FSDP2 and ``nn.SyncBatchNorm`` are refused.
 
     Checkpoints: ``opt.state_dict()`` saves the open window's statistics (under
