@@ -5,7 +5,9 @@ index, counters, GradScaler flag) and its check and restore on load; the FSDP2 l
 window rides inside "state" and "param_groups" because torch.distributed.checkpoint keeps only
 those; loading a plain torch.optim state_dict (migration: the window starts empty, state is
 widened to fp32); what ``copy.deepcopy`` / ``pickle`` keep and refuse; recognising
-torch.distributed.checkpoint's own calls (``called_from_torch_checkpoint``).
+torch.distributed.checkpoint's own calls (``called_from_torch_checkpoint``); a window listener's
+entry (``LISTENER_ENTRIES``) loaded before that listener exists, kept until it claims it
+(``Unclaimed``).
 
 Must not: change what an update computes; every layout here round-trips bit-exactly, and a
 checkpoint is checked against the optimizer before anything is loaded.
@@ -13,6 +15,7 @@ checkpoint is checked against the optimizer before anything is loaded.
 from __future__ import annotations
 
 import sys
+import warnings
 from itertools import chain
 from typing import Any
 
@@ -20,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .layout import is_dtensor, state_dtype
+from .window import window_listeners
 
 # What deepcopy / pickle keep besides torch's defaults / state / param_groups.
 ACCUMULATION_ATTRS = ("accumulation_steps", "max_grad_norm", "backend", "_window", "process_group",
@@ -43,6 +47,43 @@ def called_from_torch_checkpoint(function: str) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+# Entries of state_dict() that a window listener saves and loads with its own optimizer hooks, and
+# the call that registers that listener.
+LISTENER_ENTRIES = {"window_batchnorm": "accum_fused.nn.window_batchnorm(model, opt)"}
+
+
+class Unclaimed:
+    """A listener's entry loaded into an optimizer that has no such listener yet (load_state_dict
+    before window_batchnorm dropped it silently: running_var 1.1% off the uninterrupted run in
+    issue 29, 5.1% in tests/test_nn_batchnorm.py's checkpoint run). It waits, as a listener of the loaded window, for the listener registered
+    later to claim it; state_dict() saves it meanwhile; a window that ends unclaimed warns."""
+
+    def __init__(self, key: str, entry: Any) -> None:
+        self.key, self.entry = key, entry
+
+    def window_closed(self, opt, applied: bool) -> None:
+        self._dropped(opt)
+
+    def window_discarded(self, opt) -> None:
+        self._dropped(opt)
+
+    def _dropped(self, opt) -> None:
+        opt._window_listeners.remove(self)
+        warnings.warn(
+            f"the checkpoint loaded into this {type(opt).__name__} holds {self.key!r} (its open window's statistics), "
+            f"which nothing claimed before that window ended: they were dropped. Call {LISTENER_ENTRIES[self.key]} "
+            "before the window ends, before or after opt.load_state_dict()", RuntimeWarning, stacklevel=2)
+
+
+def _keep_unclaimed(opt, entries: dict[str, Any]) -> None:
+    """The loaded window replaces the open one, and so do the entries waiting for a listener; an
+    entry whose listener is registered was loaded by that listener's hooks."""
+    listeners = window_listeners(opt)
+    listeners[:] = [listener for listener in listeners if not isinstance(listener, Unclaimed)]
+    claimed = {getattr(listener, "state_key", None) for listener in listeners}
+    listeners.extend(Unclaimed(key, entry) for key, entry in entries.items() if key not in claimed)
 
 
 # ------------------------------------------------------------------------- copy / pickle
@@ -76,7 +117,9 @@ def restore_defaults(attrs: dict[str, Any]) -> None:
 def state_dict(opt, torch_state_dict: dict[str, Any]) -> dict[str, Any]:
     """``torch_state_dict`` (torch's, or a wrapped optimizer's) plus the open window: as the
     ``"accumulation"`` entry, or, with FSDP2 parameters, inside "state" and "param_groups"."""
-    state_dict = {**torch_state_dict, "accumulation": accumulation_entry(opt)}
+    unclaimed = {listener.key: listener.entry for listener in getattr(opt, "_window_listeners", ())
+                 if isinstance(listener, Unclaimed)}
+    state_dict = {**torch_state_dict, **unclaimed, "accumulation": accumulation_entry(opt)}
     win = opt._window
     if win.shards is not None:
         return _window_inside_state(opt, state_dict)
@@ -198,6 +241,9 @@ def split_accumulation_entry(opt, state_dict: dict[str, Any]):
     by_id = dict(zip(saved_ids, params)) if len(saved_ids) == len(params) else {}
     if accumulation is not None:
         _check_accumulation_entry(opt, accumulation, by_id)
+        # (restore_window keeps them: an entry of a listener's belongs to the saved open window)
+        entries = {key: state_dict[key] for key in LISTENER_ENTRIES if state_dict.get(key)}
+        accumulation = {**accumulation, "listener_entries": entries}
     return state_dict, accumulation, by_id
 
 
@@ -272,6 +318,7 @@ def restore_window(opt, accumulation: dict[str, Any] | None, by_id: dict) -> Non
     """Reopen the saved window (or start an empty one when the checkpoint has none)."""
     win = opt._window
     win.discard()
+    _keep_unclaimed(opt, {} if accumulation is None else accumulation.get("listener_entries", {}))
     if accumulation is None:
         return
     win.micro_step = accumulation["micro_step"]

@@ -601,11 +601,11 @@ def test_copies_of_the_optimizer_carry_no_listener_or_model(wrapped):
 STOP_AFTER = 5  # micro-batches: window 1 (sizes 4, 7, 2) holds two
 
 
-def _checkpoint_run(name: str, stop: bool, shared: bool = False, edit=lambda saved: saved):
+def _checkpoint_run(name: str, stop: bool, shared: bool = False, edit=lambda saved: saved, load_first=False):
     """Train ``name`` through the data (``shared``: a SharedNorm, its BatchNorm called twice per
     forward); with ``stop``, save mid-window after STOP_AFTER micro-batches and finish in a fresh
     model, optimizer and handle loaded from it (the optimizer's state_dict passed through
-    ``edit``)."""
+    ``edit``; ``load_first``: loaded before window_batchnorm takes the fresh model)."""
     factory, mode = OPTIMIZERS[name]
     windows = make_data()
     make, bn_name = ((lambda seed: SharedNorm()), "bn") if shared else (make_model, "0")
@@ -622,9 +622,12 @@ def _checkpoint_run(name: str, stop: bool, shared: bool = False, edit=lambda sav
                 assert counts == [sum(map(len, xs[:i])) * per_sample] * (2 if shared else 1)
                 model = make(seed=5)
                 opt = factory(model.parameters(), "torch")
-                window_batchnorm(model, opt)
+                if not load_first:
+                    window_batchnorm(model, opt)
                 model.load_state_dict(saved[0])
                 opt.load_state_dict(edit(saved[1]))
+                if load_first:
+                    window_batchnorm(model, opt)
             micro_batch(opt, model, x, mode)
             done += 1
         end_window(opt, mode, partial=len(xs) < K)
@@ -652,6 +655,38 @@ def test_mid_window_checkpoint_carries_every_calls_statistics(name):
     run = _checkpoint_run(name, False, shared=True)
     _assert_resumed(run, _checkpoint_run(name, True, shared=True))
     assert_state(run[0], shared_oracle(SharedNorm().bn, make_data())[-1])
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["one-call", "two-calls"])
+@pytest.mark.parametrize("name", ["SGD-plain", "GradientAccumulator-plain", "AdamW-B"])
+def test_a_checkpoint_loaded_before_window_batchnorm_resumes_the_statistics(name, shared):
+    """opt.load_state_dict(sd) first, window_batchnorm(model, opt) after: the optimizer keeps the
+    entry until the handle claims it (it was dropped: running_var 1.1% off)."""
+    _assert_resumed(_checkpoint_run(name, False, shared), _checkpoint_run(name, True, shared, load_first=True))
+
+
+def test_statistics_nothing_claims_are_saved_again_then_dropped_with_a_warning():
+    model = make_model()
+    xs = make_data()[0]
+    opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=K)
+    window_batchnorm(model, opt)
+    micro_batch(opt, model, xs[0], "plain")
+    saved = opt.state_dict()
+    fresh = accum_fused.SGD(make_model().parameters(), lr=0.1, accumulation_steps=K)
+    fresh.load_state_dict(saved)
+    resaved = fresh.state_dict()  # (a save before any handle claims them keeps them)
+    assert resaved[STATE_KEY]["0"]["calls"][0]["count"] == saved[STATE_KEY]["0"]["calls"][0]["count"]
+    again = accum_fused.SGD(make_model().parameters(), lr=0.1, accumulation_steps=K)
+    again.load_state_dict(resaved)
+    with pytest.warns(RuntimeWarning, match=r"'window_batchnorm'.*dropped.*window_batchnorm\(model, opt\)"):
+        assert again.flush()
+    assert not again._window_listeners and STATE_KEY not in again.state_dict()
+    # A checkpoint of the wrong model is refused when the handle would claim it, and keeps waiting.
+    fresh.load_state_dict(saved)
+    other = nn.Sequential(nn.Identity(), make_model())
+    with pytest.raises(ValueError, match="'0'.*does not take"):
+        window_batchnorm(other, fresh)
+    assert "forward" not in other[1][0].__dict__ and STATE_KEY in fresh.state_dict()
 
 
 def test_a_checkpoint_from_before_per_call_records_loads():

@@ -43,6 +43,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import is_lazy
 
 from ..base import AccumulatingOptimizer
+from ..checkpoint import Unclaimed
 from ..optim import GradientAccumulator
 from ..window import window_listeners
 
@@ -421,8 +422,9 @@ def window_batchnorm(model: nn.Module, opt) -> WindowBatchNorm:
     call this on every rank, with the same model. FSDP2 and ``nn.SyncBatchNorm`` are refused.
 
     Checkpoints: ``opt.state_dict()`` saves the open window's statistics (under
-    ``"window_batchnorm"``, by module name) and ``opt.load_state_dict()`` restores them: call
-    ``window_batchnorm`` before loading. After ``opt.close()`` (or when ``opt`` is collected) the
+    ``"window_batchnorm"``, by module name) and ``opt.load_state_dict()`` restores them, whether
+    ``window_batchnorm`` is called before or after loading (loaded first, the optimizer keeps them
+    until this call claims them; a window that ends unclaimed warns that they were dropped). After ``opt.close()`` (or when ``opt`` is collected) the
     modules behave as their own forward again (running statistics per micro-batch), as do the
     modules of a copy of the model (deepcopy, pickle: an EMA model), which no window would
     update; another ``window_batchnorm`` may take those."""
@@ -470,9 +472,17 @@ def window_batchnorm(model: nn.Module, opt) -> WindowBatchNorm:
     if others:
         raise ValueError(f"this {type(opt).__name__} has a window_batchnorm handle already (taking {others[0].names}): "
                          "remove() it first, or take the whole model in one call")
+    # The open window's statistics of a checkpoint loaded before this call, waiting to be claimed.
+    waiting = [w for w in opt._window_listeners if isinstance(w, Unclaimed) and w.key == STATE_KEY]
+    records = _parse_entry(taken, waiting[0].entry) if waiting else {}
     # After every check: a refused call changes nothing.
     handle = WindowBatchNorm(taken, opt)
-    window_listeners(opt).append(handle)
+    listeners = window_listeners(opt)
+    for w in waiting:
+        listeners.remove(w)
+    listeners.append(handle)
+    for name, record in records.items():
+        taken[name].record = record
     for t in taken.values():
         t.module.forward = t.forward
     return handle
