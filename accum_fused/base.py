@@ -313,6 +313,44 @@ class AccumulatingOptimizer:
         self._run_step_hooks(post=True)
         return applied
 
+    def run(self, batch, loss_fn: Callable[[Any], Any], *, weight: float | Tensor | None = None,
+            split: Callable[[Any, int], list] | None = None) -> Tensor:
+        """Run one micro-batch and take it into the window, recovering from out-of-memory:
+        ``loss_fn(batch)`` returns its loss (a mean over what it holds), or ``(loss, weight)``;
+        the weight defaults to ``weight=``, else the batch's size along dim 0. Plain mode: forward,
+        backward and ``step(weight=)`` (``.grad`` is the run's own: emptied first). in_backward:
+        ``opt.backward(loss, weight=)`` (mode A: summed, as its loop does; ``step()`` stays yours).
+
+        When a forward or backward pass runs out of memory (``torch.OutOfMemoryError``, the CPU
+        allocator's error), its contribution is taken out, memory is freed, and the micro-batch
+        is run again split along dim 0 (tensors, tuples/lists/dicts of them, a BatchEncoding;
+        ``split(batch, n)`` for anything else) into parts whose weights add up to its weight; it
+        counts as one micro-batch. Later micro-batches start at the split that worked
+        (``opt.recovery``). A part of one sample that still runs out raises RuntimeError naming
+        the sizes tried. Every retry is logged (logger "accum_fused") and counted
+        (``opt.recovery.retries``). Returns the micro-batch's loss, detached (the weighted mean
+        of its parts' when split). See accum_fused/recovery.py for what is exact per mode."""
+        from . import recovery
+        self._check_open("run()")
+        if weight is not None:
+            weight = _check_weight(weight)
+            if self.in_backward and self.accumulation_steps == 1:
+                raise ValueError("with in_backward=True and accumulation_steps=1 the backward passes are summed: "
+                                 "a micro-batch weight has no meaning there (scale the loss instead)")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable (batch -> loss or (loss, weight)), got {type(loss_fn).__name__}")
+        return recovery.run_micro_batch(self, batch, loss_fn, weight, split)
+
+    @property
+    def recovery(self):
+        """Out-of-memory recovery's state (recovery.RecoveryState): ``max_part_size``,
+        ``grow_back_after``, ``retries``."""
+        state = self.__dict__.get("_recovery")
+        if state is None:
+            from .recovery import RecoveryState
+            state = self.__dict__["_recovery"] = RecoveryState()
+        return state
+
     def set_micro_batch_weight(self, weight: float | Tensor) -> None:
         """The weight of the micro-batch being accumulated now, for loops that call ``step()``
         or ``loss.backward()`` without one (HF Trainer, Lightning, accelerate): the next

@@ -65,6 +65,9 @@ class BackwardPass:
         # that raises drops its callbacks unrun: a pass whose ender is gone while the pass is
         # still open belongs to a backward that failed.
         self.ender: weakref.ref | None = None
+        # Parameters whose gradient of this pass is in the window (added, started or folded):
+        # what a failed run() pass keeps (recovery.py).
+        self.completed: set[Tensor] = set()
 
     def failed(self) -> bool:
         return self.ender is not None and self.ender() is None
@@ -153,14 +156,15 @@ class FastPath:
 
     def arm(self, opt, mb: BackwardPass, first: Tensor) -> None:
         win = opt._window
-        if mb.closing and win.sync is not None:
+        if mb.closing and win.sync is not None and not win.transaction:
             return  # buckets handed to the other ranks as gradients arrive: Python's
         from .backends import cpp_backend
         fold = _FoldArgs() if mb.fold else None
         may_adopt = mb.weight == 1.0 and win.sync is None  # (as _can_adopt)
         slots, modes, buffers = [], [], []
+        complete = win.complete  # (their gradients go to take_grad, which drops them)
         for slot, p in enumerate(self.params):
-            if p is first or not _is_plain(p) or opt._backend_for(p) is not cpp_backend:
+            if p is first or not _is_plain(p) or opt._backend_for(p) is not cpp_backend or p in complete:
                 continue
             live = p in win.live
             buf = win.buffers.get(p)
@@ -194,6 +198,7 @@ class FastPath:
         for slot, mode, norm, grad in zip(slots, modes, norms, adopted):
             p = self.params[slot]
             mb.seen.add(p)
+            mb.completed.add(p)
             if mode == _ADD:
                 mb.added_to_live = True
             elif mode == _FOLD:
@@ -438,6 +443,10 @@ def settle_failed_pass(opt) -> None:
     mb, win.backward_pass = win.backward_pass, None
     if opt._fast_path is not None:
         opt._fast_path.take_records(opt, mb, end=True)
+    if win.transaction:
+        # run() (recovery.py): what the pass added, it added whole; its retry skips those.
+        win.complete |= mb.completed
+        return
     if opt.accumulation_steps == 1 or not mb.seen:
         return
     if mb.done or mb.added_to_live:
@@ -463,6 +472,10 @@ def take_grad(opt, p: Tensor) -> None:
     ``.grad`` is freed. Runs with grad mode off."""
     grad = p.grad
     if grad is None:
+        return
+    complete = opt._window.complete
+    if complete and p in complete:  # a failed run() pass already added this micro-batch's gradient
+        p.grad = None
         return
     if grad.is_sparse:
         raise RuntimeError(f"{type(opt).__name__}(in_backward=True) does not support sparse gradients; "
@@ -503,7 +516,7 @@ def _join_pass(opt, p: Tensor) -> tuple[BackwardPass, bool] | None:
     elif opt._fast_path is not None:
         opt._fast_path.take_records(opt, mb)
     again = p in mb.seen
-    if again and (p in mb.done or (mb.closing and win.sync is not None)):
+    if again and (p in mb.done or (mb.closing and win.sync is not None and not win.transaction)):
         # (a parameter used both inside and outside a reentrant checkpoint gets two)
         raise RuntimeError(
             f"{opt._param_name(p)} received a second gradient in the backward pass of the window's last "
@@ -525,6 +538,7 @@ def _add(opt, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
                     clip_coef=None, grads=[kernel_view(grad)], weight=mb.weight, overwrite=p not in win.live,
                     grad_scale=None)
         mb.done.add(p)
+        mb.completed.add(p)
         return
     # (A written gradient is not folded: its GEMM has written the buffer, which the update
     # would read back anyway, so it waits for the update at the end of the pass with the
@@ -533,6 +547,7 @@ def _add(opt, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
         mb.started.add(p)  # a failed pass takes it back out
         if not written and _can_adopt(win, p, grad, mb.weight):
             win.adopt(p, grad)
+            mb.completed.add(p)
             return
     else:
         mb.added_to_live |= p not in mb.started
@@ -542,11 +557,12 @@ def _add(opt, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
         norm = win.write_one(p, grad, mb.weight, opt._backend_for(p), norm_weight_sum)
     else:
         norm = win.accumulate_one(p, grad, mb.weight, opt._backend_for(p), norm_weight_sum)
+    mb.completed.add(p)
     if wants_norm:
         mb.norms[p] = norm
     elif mb.norms is not None:
         mb.norms.pop(p, None)
-    if mb.closing and win.sync is not None and not again:
+    if mb.closing and win.sync is not None and not again and not win.transaction:
         win.sync.grad_ready(p)  # may launch its bucket's all-reduce while backward goes on
 
 
@@ -563,11 +579,12 @@ def begin_pass(opt) -> BackwardPass:
     micro-batch in the window. On the window's last micro-batch in mode B, the update happens in
     this pass: torch's step pre-hooks run now (``step()`` runs them in plain mode and mode A)."""
     win = opt._window
-    closing = opt.accumulation_steps > 1 and win.micro_step + 1 >= opt.accumulation_steps
+    closing = opt.accumulation_steps > 1 and win.closes_with(opt)
     if closing:
         opt._run_step_hooks(post=False)
     weight, weight_sum = win.begin_micro_batch(opt, win.take_pending_weight(), closing)
-    fold = closing and opt.max_grad_norm is None and not win.spans_ranks
+    # (a run() pass folds nothing: a failure in it must leave no parameter updated)
+    fold = closing and opt.max_grad_norm is None and not win.spans_ranks and not win.transaction
     # With FSDP2, opt.backward scaled the loss by the weight: the gradients carry it.
     grad_weight = 1.0 if win.shards is not None else weight
     # Clipping on one rank: the norms come from the hooks' accumulate passes (across ranks they

@@ -101,6 +101,23 @@ class Window:
         # next window adopts or writes fresh ones (resident 12 B/param for fp32 AdamW, as the
         # native loop after zero_grad, instead of 16).
         self.adopted: set[Tensor] = set()
+        # Out-of-memory recovery (recovery.py): a micro-batch run as parts counts once. While
+        # ``parts_left`` > 0 the part being added is not the micro-batch's last: it neither counts
+        # nor closes the window. ``complete``: parameters whose gradient of the current
+        # micro-batch is already in (a failed in-backward pass added it whole), which its
+        # remaining parts' hooks drop. ``transaction``: a run() pass is running, whose failure
+        # must leave nothing half-applied (no update inside its hooks, no collective in it).
+        self.parts_left = 0
+        self.complete: set[Tensor] = set()
+        self.transaction = False
+
+    def last_part(self) -> bool:
+        """Whether the micro-batch being added ends with this part (see ``parts_left``)."""
+        return self.parts_left == 0
+
+    def closes_with(self, opt) -> bool:
+        """Whether the micro-batch (part) being added now is the window's last."""
+        return self.parts_left == 0 and self.micro_step + 1 >= opt.accumulation_steps
 
     @property
     def spans_ranks(self) -> bool:
@@ -121,7 +138,7 @@ class Window:
         if self.shards is not None:
             return weight
         band = _weight_band(weight)
-        if self.micro_step == 0:
+        if self.micro_step == 0 and not self.live:  # (not a later part of the first micro-batch)
             self.weight_shift = band
         elif band - self.weight_shift >= _WEIGHT_HEADROOM:
             factor = math.ldexp(1.0, self.weight_shift - band)
@@ -136,7 +153,7 @@ class Window:
         """step(): take one micro-batch, ``pairs`` of (param, grad), with ``weight``; on the
         window's last micro-batch, close the window. Validates before anything changes."""
         in_loss = self.backward_done and self.shards is not None
-        closing = self.micro_step + 1 >= opt.accumulation_steps
+        closing = self.closes_with(opt)
         # The buffers this call writes, and at closing every buffer the update reads.
         params = [p for p, _ in pairs]
         self.conform(opt, params + list(self.live.difference(params)) if closing else params, closing)
@@ -151,7 +168,7 @@ class Window:
         # Nothing above changed the window's meaning; from here on the micro-batch is taken.
         self.pending_weight = None
         self.backward_done = False
-        self.micro_step += 1
+        self.micro_step += self.last_part()
         # in_backward mode A: the buffers hold the sum of the loop's backward passes (what
         # autograd would have summed into .grad), so the window's divisor is 1.
         self.weight_sum = 1.0 if opt.in_backward else self.weight_sum + weight
@@ -195,7 +212,9 @@ class Window:
             self.weight_shift = 0
         else:
             weight = self.enter_weight(weight)
-        if closing and self.sync is not None:
+        if closing and self.sync is not None and not self.transaction:
+            # (a run() pass reduces at its end instead: a pass that fails must not leave a
+            # collective half-done on this rank while the others wait in it)
             shift = self.sync.begin_overlapped_window(opt._all_params(), self.live, self.weight_sum + weight,
                                                       self.weight_shift)
             weight, self.weight_sum = (math.ldexp(x, self.weight_shift - shift) for x in (weight, self.weight_sum))
@@ -208,7 +227,9 @@ class Window:
         Counts it; on the window's last micro-batch, closes the window (``updated_in_hooks``:
         the parameters its hooks already updated, when it was folded into the update; ``norms``:
         the window-gradient norms its hooks' accumulate passes produced, for clipping)."""
-        self.micro_step += 1
+        if self.last_part():
+            self.micro_step += 1
+            self.complete.clear()
         self.weight_sum = weight_sum
         if self.shards is not None and opt.accumulation_steps > 1:
             self.late_weights.append(None)  # opt.backward put the weight into the loss

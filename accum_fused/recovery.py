@@ -1,0 +1,331 @@
+"""Out-of-memory recovery: one micro-batch run as a transaction (``opt.run(batch, loss_fn)``).
+
+Owns: ``run_micro_batch`` behind ``AccumulatingOptimizer.run``, recognising an out-of-memory
+error, splitting a batch along dim 0 (``split_batch``), and the optimizer's ``RecoveryState``
+(the largest part that worked, retries counted, growing back).
+
+How a micro-batch is taken, per mode, so that a pass that runs out of memory leaves the window
+as it was (or as the unsplit micro-batch would have left it), and its retry counts once:
+
+- plain mode: every part's loss, times its share of the micro-batch's weight, goes through
+  autograd into ``.grad``; only then does ``step(weight=w)`` take the micro-batch, once. A pass
+  that fails has touched nothing but ``.grad``, which is emptied, and the micro-batch is run
+  again in twice as many parts. Any exception leaves the window as it was before the micro-batch.
+- in_backward (mode A and B): the hooks add each parameter's gradient into the window while
+  backward runs, and a failed pass cannot be subtracted without keeping its gradients (measured
+  2.7x slower on CPU, in_backward.settle_failed_pass). What a failed pass added, it added whole
+  (a parameter's gradient is complete when its hook runs), so those parameters keep it
+  (``Window.complete``) and the retried parts, which count as one micro-batch of the same
+  weight (``Window.parts_left``), skip them. The pass folds nothing into the update and starts no
+  collective (``Window.transaction``): its failure leaves no parameter updated and no rank
+  waiting. An exception other than out-of-memory after something was added cannot be undone:
+  mode B discards the window with a RuntimeWarning, mode A keeps the sum (autograd's semantics).
+
+Ranks recover alone: no collective runs inside a micro-batch (the window's reduction at its
+close is the only one), so a rank that splits takes longer and the others wait at the close.
+
+Must not: touch the window's buffers or counters except through its fields for parts; the
+update math is the optimizer's.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("accum_fused")
+
+# The CPU allocator raises a plain RuntimeError (torch 2.13: "[enforce fail at alloc_cpu.cpp:...]
+# ... DefaultCPUAllocator: can't allocate memory ..."): no type to match there.
+_CPU_OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError (CUDA and the other device allocators), Python's MemoryError, or the
+    CPU allocator's RuntimeError."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _CPU_OOM_MESSAGES)
+
+
+class RecoveryState:
+    """``opt.recovery``: what out-of-memory recovery learnt and did.
+
+    ``max_part_size``: the largest number of samples a part may hold, learnt from an
+    out-of-memory error (None: micro-batches run whole); later micro-batches start split to it.
+    ``grow_back_after``: after this many windows closed without an out-of-memory error the limit
+    doubles (None: it stays). ``retries``: passes that ran out of memory and were retried."""
+
+    def __init__(self) -> None:
+        self.max_part_size: int | None = None
+        self.grow_back_after: int | None = None
+        self.retries = 0
+        self._clean_windows = 0
+        self._updates_seen = 0
+        self._failed_in_window = False
+
+    def __repr__(self) -> str:
+        return (f"RecoveryState(max_part_size={self.max_part_size}, grow_back_after={self.grow_back_after}, "
+                f"retries={self.retries})")
+
+    def _after_micro_batch(self, update_count: int) -> None:
+        """Count the windows that closed since the last micro-batch; grow back after enough clean ones."""
+        closed = update_count - self._updates_seen
+        self._updates_seen = update_count
+        if closed <= 0:
+            return
+        self._clean_windows = 0 if self._failed_in_window else self._clean_windows + closed
+        self._failed_in_window = False
+        if (self.grow_back_after is not None and self.max_part_size is not None
+                and self._clean_windows >= self.grow_back_after):
+            self.max_part_size *= 2
+            self._clean_windows = 0
+            log.info("accum_fused: %d windows without running out of memory: parts of up to %d samples from now on",
+                     self.grow_back_after, self.max_part_size)
+
+
+# ------------------------------------------------------------------------------------ batches
+def num_samples(batch) -> int | None:
+    """The size along dim 0 of the first tensor in ``batch`` (tensors, sequences, mappings such
+    as a Hugging Face BatchEncoding), or None when it holds none."""
+    if isinstance(batch, Tensor):
+        return batch.shape[0] if batch.dim() else None
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            n = num_samples(item)
+            if n is not None:
+                return n
+    return None
+
+
+def split_batch(batch, sizes: list[int]) -> list:
+    """``batch`` split along dim 0 into parts of ``sizes`` samples: every tensor whose dim 0 is
+    the batch's size is split (views, no copy); other values (scalars, strings, tensors of
+    another size) are shared by every part. Containers keep their type (a BatchEncoding stays
+    one, a namedtuple stays one)."""
+    n = sum(sizes)
+
+    def split(value) -> list:
+        if isinstance(value, Tensor):
+            if value.dim() and value.shape[0] == n:
+                return list(value.split(sizes))
+            return [value] * len(sizes)
+        if isinstance(value, Mapping):
+            columns = {key: split(item) for key, item in value.items()}
+            return [_rebuild(value, {key: parts[i] for key, parts in columns.items()}) for i in range(len(sizes))]
+        if isinstance(value, (list, tuple)):
+            columns = [split(item) for item in value]
+            return [_rebuild(value, [parts[i] for parts in columns]) for i in range(len(sizes))]
+        return [value] * len(sizes)
+
+    return split(batch)
+
+
+def _rebuild(like, items):
+    if isinstance(like, Mapping):
+        if type(like) is dict:
+            return dict(items)
+        try:
+            return type(like)(items)  # BatchEncoding(dict), OrderedDict, ...
+        except TypeError:
+            return dict(items)
+    if isinstance(like, tuple) and hasattr(like, "_fields"):  # a namedtuple
+        return type(like)(*items)
+    return type(like)(items)
+
+
+class _Part:
+    __slots__ = ("batch", "size")
+
+    def __init__(self, batch, size: int | None):
+        self.batch, self.size = batch, size
+
+
+def _split(batch, total: int | None, count: int, split: Callable | None) -> list[_Part]:
+    if split is not None:
+        return [_Part(piece, num_samples(piece)) for piece in split(batch, count)]
+    if total is None:
+        raise TypeError("opt.run() cannot split this batch: it holds no tensor with a batch dimension; pass "
+                        "split=fn(batch, n) -> n parts")
+    count = min(count, total)
+    base, extra = divmod(total, count)
+    sizes = [base + (i < extra) for i in range(count)]
+    return [_Part(piece, size) for piece, size in zip(split_batch(batch, sizes), sizes)]
+
+
+# ------------------------------------------------------------------------------------ the run
+def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: Callable | None) -> Tensor:
+    """``opt.run``: see AccumulatingOptimizer.run."""
+    win = opt._window
+    if win.shards is not None:
+        raise NotImplementedError(
+            f"{type(opt).__name__}.run() with FSDP2 parameters: FSDP2 reduce-scatters inside every backward, so a "
+            "rank that split its micro-batch would run collectives the other ranks do not; call "
+            "opt.backward(loss, weight=...) yourself with micro-batches that fit"
+        )
+    if win.backward_done or win.backward_pass is not None or win.parts_left:
+        raise RuntimeError(f"{type(opt).__name__}.run() while another micro-batch is pending (backward() without "
+                           "step(), or inside a backward pass): finish it first")
+    state = opt.recovery
+    total = num_samples(batch)
+    parts = [_Part(batch, total)]
+    if state.max_part_size is not None and total is not None and total > state.max_part_size:
+        parts = _split(batch, total, math.ceil(total / state.max_part_size), split)
+    tried = [max(p.size or 0 for p in parts)]
+    progress = [0]  # in_backward: parts already in the window
+    while True:
+        try:
+            if opt.in_backward:
+                loss = _run_in_backward(opt, parts, loss_fn, weight, total, progress)
+            else:
+                loss = _run_plain(opt, parts, loss_fn, weight, total)
+            _end(opt)
+            state._after_micro_batch(win.update_count)
+            return loss
+        except Exception as exc:  # noqa: BLE001 (out-of-memory or not: decided here)
+            if not is_out_of_memory(exc):
+                _give_up(opt, progress[0])
+                raise
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        # Out of memory. The exception and the frames holding the failed pass's tensors went
+        # with the except block; free the rest, then run in more, smaller parts.
+        state.retries += 1
+        state._failed_in_window = True
+        for p in opt._all_params():
+            p.grad = None
+        gc.collect()
+        if any(p.is_cuda for p in opt._all_params()):
+            torch.cuda.empty_cache()
+        if opt.in_backward:  # the parts in the window stay; the failed one (first left) becomes two
+            failed = parts[0]
+            if failed.size is not None and failed.size <= 1:
+                _fail_at_one_sample(opt, tried, reason, progress[0])
+            parts = _split(failed.batch, failed.size, 2, split) + parts[1:]
+        else:  # plain mode: the whole micro-batch again, in twice as many parts
+            if max(p.size or 0 for p in parts) <= 1:
+                _fail_at_one_sample(opt, tried, reason, 0)
+            parts = _split(batch, total, 2 * len(parts), split)
+        largest = max(p.size or 0 for p in parts)
+        tried.append(largest)
+        state.max_part_size = largest if state.max_part_size is None else min(state.max_part_size, largest)
+        log.warning("accum_fused: out of memory on a micro-batch (%s); retrying it in parts of up to %d samples "
+                    "(retries so far: %d)", reason, largest, state.retries)
+
+
+def _fail_at_one_sample(opt, tried: list, reason: str, parts_in: int):
+    _give_up(opt, parts_in)
+    raise RuntimeError(
+        f"{type(opt).__name__}.run(): a part of one sample still runs out of memory ({reason}); part sizes tried: "
+        f"{tried}. Reduce the memory one sample needs (activation checkpointing, shorter sequences, mixed "
+        "precision); the window holds the micro-batches before this one"
+    )
+
+
+def _call(loss_fn, part: _Part, weight: float | None, total: int | None) -> tuple[Tensor, float]:
+    """(loss, the part's weight): returned by loss_fn, else the caller's weight= shared by
+    samples, else the part's sample count."""
+    out = loss_fn(part.batch)
+    loss, returned = out if isinstance(out, tuple) else (out, None)
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise TypeError("opt.run(): loss_fn(batch) must return a scalar loss tensor, or (loss, weight)")
+    if returned is not None:
+        return loss, float(returned)
+    if weight is not None:
+        return loss, float(weight) * ((part.size or 1) / (total or 1) if part.size != total else 1.0)
+    if part.size is None:
+        raise TypeError("opt.run(): the batch holds no tensor to count its samples by: return (loss, weight) "
+                        "from loss_fn, or pass weight=")
+    return loss, float(part.size)
+
+
+def _run_plain(opt, parts: list[_Part], loss_fn, weight, total) -> Tensor:
+    """Every part through autograd into .grad (times its weight, rescaled by the total once at
+    the end when split); then one step() takes the micro-batch."""
+    for p in opt._all_params():
+        p.grad = None
+    if len(parts) == 1:
+        loss, w = _call(loss_fn, parts[0], weight, total)
+        loss.backward()
+        opt.step(weight=w)
+        return loss.detach()
+    losses, weights = [], []
+    for part in parts:
+        loss, w = _call(loss_fn, part, weight, total)
+        (loss * w).backward()
+        losses.append(loss.detach())
+        weights.append(w)
+    micro_weight = sum(weights)
+    with torch.no_grad():
+        grads = [p.grad for p in opt._all_params() if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, micro_weight)
+    opt.step(weight=micro_weight)
+    return _mean(losses, weights)
+
+
+def _run_in_backward(opt, parts: list[_Part], loss_fn, weight, total, progress: list) -> Tensor:
+    """Each part one backward pass into the window (``parts`` shrinks as they go in); the
+    micro-batch counts once. Mode A sums passes: a part's loss is scaled by its share of the
+    micro-batch's samples."""
+    win = opt._window
+    mode_a = opt.accumulation_steps == 1
+    losses, weights = [], []
+    win.transaction = True
+    try:
+        while parts:
+            part = parts[0]
+            loss, w = _call(loss_fn, part, weight, total)
+            win.parts_left = len(parts) - 1
+            if mode_a:
+                share = 1.0 if part.size == total or part.size is None else part.size / total
+                opt.backward(loss * share if share != 1.0 else loss)
+            else:
+                opt.backward(loss, weight=w)
+            losses.append(loss.detach())
+            weights.append(w)
+            parts.pop(0)
+            progress[0] += 1
+    finally:
+        win.transaction = False
+    return _mean(losses, weights)
+
+
+def _mean(losses: list[Tensor], weights: list[float]) -> Tensor:
+    if len(losses) == 1:
+        return losses[0]
+    total = sum(weights)
+    return sum(loss * (w / total) for loss, w in zip(losses, weights))
+
+
+def _end(opt) -> None:
+    win = opt._window
+    win.parts_left = 0
+    win.complete.clear()
+
+
+def _give_up(opt, parts_in: int) -> None:
+    """An exception other than out-of-memory: plain mode touched only .grad (emptied: the window
+    is as it was). in_backward: nothing added, nothing changed; otherwise mode A keeps the sum
+    (as autograd keeps a failed pass's .grad) and mode B discards the window, saying so."""
+    win = opt._window
+    added = parts_in > 0 or bool(win.complete)
+    _end(opt)
+    if not opt.in_backward:
+        for p in opt._all_params():
+            p.grad = None
+        return
+    if added and opt.accumulation_steps > 1:
+        lost = win.micro_step
+        win.abandon(opt)
+        warnings.warn(
+            f"{type(opt).__name__}.run() (in_backward): a micro-batch failed after its gradients began to enter the "
+            f"window, which cannot take them back out; the window was discarded with the {lost} micro-batch(es) it "
+            "held before, and the next micro-batch starts a new window", RuntimeWarning, stacklevel=4)
