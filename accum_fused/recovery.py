@@ -39,6 +39,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from .window import tell_transaction
+
 log = logging.getLogger("accum_fused")
 
 # The CPU allocator raises a plain RuntimeError (torch 2.13: "[enforce fail at alloc_cpu.cpp:...]
@@ -191,6 +193,7 @@ def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: 
             state._after_micro_batch(win.update_count)
             return loss
         except Exception as exc:  # noqa: BLE001 (out-of-memory or not: decided here)
+            tell_transaction(opt, "transaction_failed")  # (the failed pass's forwards do not count)
             if not is_out_of_memory(exc):
                 _give_up(opt, progress[0])
                 raise
@@ -251,13 +254,16 @@ def _run_plain(opt, parts: list[_Part], loss_fn, weight, total) -> Tensor:
     the end when split); then one step() takes the micro-batch."""
     for p in opt._all_params():
         p.grad = None
+    tell_transaction(opt, "transaction_begins")
     if len(parts) == 1:
+        opt._window.part_serial += 1
         loss, w = _call(loss_fn, parts[0], weight, total)
         loss.backward()
         opt.step(weight=w)
         return loss.detach()
     losses, weights = [], []
     for part in parts:
+        opt._window.part_serial += 1
         loss, w = _call(loss_fn, part, weight, total)
         (loss * w).backward()
         losses.append(loss.detach())
@@ -282,6 +288,8 @@ def _run_in_backward(opt, parts: list[_Part], loss_fn, weight, total, progress: 
     try:
         while parts:
             part = parts[0]
+            tell_transaction(opt, "transaction_begins")
+            win.part_serial += 1
             loss, w = _call(loss_fn, part, weight, total)
             win.parts_left = len(parts) - 1
             if mode_a:

@@ -11,7 +11,8 @@ replicas, ``shards``: FSDP2). Its verbs: ``add_micro_batch`` (a whole micro-batc
 ``close`` (sync -> found-inf -> clip -> update, for plain, synchronised and sharded windows
 alike), ``discard``, ``abandon`` (discard a window that held something, without closing it).
 Whoever must learn that a window ended (accum_fused.nn's BatchNorm statistics) registers on the
-optimizer's ``_window_listeners`` (``WindowListeners``): close and abandon tell them.
+optimizer's ``_window_listeners`` (``WindowListeners``): close and abandon tell them, and
+opt.run() tells them when a pass it may retry begins and when it failed (``tell_transaction``).
 
 Must not: read ``.grad`` or touch hooks (the optimizer and in_backward.py hand gradients in),
 or do per-element math (backends do). It asks its optimizer, passed to the verbs that need it,
@@ -110,6 +111,7 @@ class Window:
         self.parts_left = 0
         self.complete: set[Tensor] = set()
         self.transaction = False
+        self.part_serial = 0  # bumped as each part runs: accum_fused.nn's records tell parts apart by it
 
     def last_part(self) -> bool:
         """Whether the micro-batch being added ends with this part (see ``parts_left``)."""
@@ -460,6 +462,15 @@ def window_listeners(opt) -> WindowListeners:
     if type(listeners) is not WindowListeners:
         listeners = opt._window_listeners = WindowListeners(listeners)
     return listeners
+
+
+def tell_transaction(opt, event: str) -> None:
+    """recovery.py: a pass of opt.run() begins ("transaction_begins") or failed
+    ("transaction_failed"); listeners that record per forward (accum_fused.nn) take it back."""
+    for listener in list(getattr(opt, "_window_listeners", ())):
+        told = getattr(listener, event, None)
+        if told is not None:
+            told(opt)
 
 
 def _tell_listeners(opt, closed: bool, applied: bool = False) -> None:

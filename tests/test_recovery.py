@@ -459,3 +459,47 @@ def test_a_real_allocator_failure_is_recovered(mode, phase):
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "DefaultCPUAllocator" in proc.stderr  # the logged retry names the real error
 
+
+
+# ------------------------------------------------------------------------------------ with other state
+class BNNet(Net):
+    """Net with a BatchNorm1d after the first layer."""
+
+    def __init__(self, where=None):
+        super().__init__(where)
+        torch.manual_seed(1)
+        self.bn = nn.BatchNorm1d(7, momentum=None)
+
+    def forward(self, x):
+        n, limit = x.shape[0], self.limit
+        h = torch.tanh(self.bn(self.l1(x)))
+        if self.where == "mid":
+            h = _Gate.apply(h, n, limit)
+        return self.l2(h)
+
+
+@pytest.mark.parametrize("mode", ["plain", "B"])
+def test_window_batchnorm_counts_neither_the_failed_pass_nor_the_parts_twice(backend, mode):
+    """A failed forward's statistics do not count; the parts' pool exactly, as the parts' own
+    micro-batches would. (A part's forward normalises with the part's statistics, as any smaller
+    micro-batch does: the oracle is the run given the same parts from the start.)"""
+    from accum_fused.nn import window_batchnorm
+
+    def run(fail: bool):
+        model = BNNet("mid")
+        opt = _optimizer(model, mode, backend)
+        window_batchnorm(model, opt)
+        for i, batch in enumerate(_data()):
+            if fail:
+                model.limit = [4] if i in (1, 4) else None  # (parts of 4 then; BatchNorm needs 2 samples a part)
+            elif i == 1:
+                opt.recovery.max_part_size = 4
+            opt.run(batch, _loss_fn(model))
+        assert opt.update_count == 2 and opt.recovery.retries == int(fail)
+        return model
+
+    recovered, reference = run(True), run(False)
+    exact = mode == "plain"
+    _assert_close([recovered.bn.running_mean, recovered.bn.running_var],
+                  [reference.bn.running_mean, reference.bn.running_var], exact)
+    assert int(recovered.bn.num_batches_tracked) == 2 == int(reference.bn.num_batches_tracked)

@@ -275,7 +275,10 @@ class _Taken:
     def add(self, input: Tensor) -> None:
         opt = self.optimizer()
         if opt is not None:  # (a compiled graph may outlive the optimizer)
-            self.record.add(self.name, opt._window.micro_step, _moments(input))
+            # (a part of a micro-batch that opt.run split records as a micro-batch of its own:
+            # its calls pool into the same calls; recovery.py counts parts in part_serial)
+            win = opt._window
+            self.record.add(self.name, (win.micro_step, win.part_serial), _moments(input))
 
 
 @torch.library.custom_op("accum_fused::window_batchnorm_record", mutates_args=())
@@ -337,6 +340,18 @@ class WindowBatchNorm:
     def window_discarded(self, opt) -> None:
         for t in self._taken.values():
             t.record = _Record()
+
+    def transaction_begins(self, opt) -> None:
+        """opt.run() starts a pass that may fail (recovery.py): remember the records as they are."""
+        self._before = {name: _Record(list(t.record.calls), t.record.per_micro_batch, t.record.micro_batch,
+                                      t.record.made) for name, t in self._taken.items()}
+
+    def transaction_failed(self, opt) -> None:
+        """That pass failed: its forwards' statistics do not count."""
+        before, self._before = getattr(self, "_before", None), None
+        if before is not None:
+            for name, t in self._taken.items():
+                t.record = before[name]
 
     # ------------------------------------------------------------------- checkpoint
     def _save(self, optimizer, state_dict: dict) -> None:
