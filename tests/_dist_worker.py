@@ -251,6 +251,58 @@ def rank0_checkpoint_on_every_rank(name, rank, backend, group, data):
     _build(name, Net(seed=100 + rank), rank, backend, group).load_state_dict(from_rank0[0])  # loads anywhere
 
 
+class _OutOfMemoryAbove(torch.autograd.Function):
+    """Identity; its backward runs out of memory when the pass holds more than ``limit`` samples."""
+
+    @staticmethod
+    def forward(ctx, x, limit):
+        ctx.n, ctx.limit = x.shape[0], limit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.limit is not None and ctx.n > ctx.limit:
+            raise torch.OutOfMemoryError(f"injected: {ctx.n} samples > {ctx.limit}")
+        return grad, None
+
+
+def _gated_loss(model, batch, limit):
+    """Net's loss with the injected failure between its layers (the head's gradients are in)."""
+    module = getattr(model, "module", model)  # (a DDP model: its forward runs the watch)
+    x, y, use_aux = batch
+    if module is not model:
+        model(x, y, use_aux)  # DDP's forward (no reduction: accum_fused owns the window); its result unused
+    hidden = _OutOfMemoryAbove.apply(torch.tanh(module.body(x)), limit)
+    loss = nn.functional.mse_loss(module.head(hidden), y)
+    return loss + module.aux(hidden).pow(2).mean() if use_aux else loss
+
+
+def run_recovers_alone(name, rank, backend, group, data):
+    """Issue 30: only rank 1 runs out of memory (above 2 samples per pass) and retries in parts,
+    with no collective per micro-batch: plain mode and mode B with a process_group, and a DDP
+    model taken over. No hang; the ranks end bit-identical and on the big batch."""
+    make, make_torch, clip = OPTIMIZERS[name]
+    limit = 2 if rank == 1 else None
+    for mode in ("plain", "B", "ddp"):
+        model = Net(seed=100 + rank)
+        kwargs = dict(accumulation_steps=STEPS_PER_RANK[rank], backend=backend)
+        if mode == "ddp":
+            opt = make(model.parameters(), **kwargs)
+            driven = nn.parallel.DistributedDataParallel(model, process_group=group)
+        else:
+            opt = make(model.parameters(), process_group=group, in_backward=mode == "B", **kwargs)
+            driven = model
+        for window in range(FULL_WINDOWS + 1):
+            for batch in data[rank][window]:
+                opt.recovery.max_part_size = None  # every pass above the limit fails, the closing ones too
+                opt.run(batch, lambda b: _gated_loss(driven, b, limit))
+        opt.flush()
+        assert (opt.recovery.retries > 0) == (rank == 1), (mode, opt.recovery)
+        check_close(list(model.parameters()), reference_params(make_torch, data, clip), f"{name} {mode}")
+        check_ranks_identical(list(model.parameters()))
+        opt.close()
+
+
 def _ddp_window_loss(model, batch, window_samples: int) -> torch.Tensor:
     """Mode A under DDP, as transformers' Trainer scales it: the micro-batch's share of the
     window's samples over every rank, times the world size (DDP averages over the ranks)."""
@@ -573,6 +625,7 @@ SCENARIOS = {
     "inf_skips_window": (inf_skips_window, ["AdamW-clip", "wrapped-RMSprop-clip"]),
     "resume_mid_window": (resume_mid_window, ["AdamW-clip", "SGD-nesterov", "wrapped-RMSprop-clip"]),
     "rank0_checkpoint_on_every_rank": (rank0_checkpoint_on_every_rank, ["AdamW-clip", "wrapped-RMSprop-clip"]),
+    "run_recovers_alone": (run_recovers_alone, ["SGD-nesterov", "AdamW-clip"]),
     "ddp_plain": (ddp_plain, ["AdamW-clip", "wrapped-RMSprop-clip"]),
     "ddp_mode_a": (ddp_mode_a, ["AdamW-clip", "SGD-nesterov"]),
     "ddp_mode_b": (ddp_mode_b, ["AdamW-clip"]),
