@@ -162,6 +162,8 @@ def accumulation_entry(opt) -> dict[str, Any]:
         "late_weights": list(win.late_weights),
         "grads_held": win.grads_held,
         "buffers": {index[p]: win.buffers[p] for p in win.live},
+        # What out-of-memory recovery learnt (opt.run): a resumed run starts split as this one would go on.
+        **({} if opt.__dict__.get("_recovery") is None else {"recovery": opt.recovery.to_state()}),
     }
 
 
@@ -327,6 +329,8 @@ def restore_window(opt, accumulation: dict[str, Any] | None, by_id: dict) -> Non
     win.update_count = accumulation["update_count"]
     win.updated = accumulation["updated"]
     win.late_weights[:] = accumulation.get("late_weights", [])
+    if "recovery" in accumulation:
+        opt.recovery.load_state(accumulation["recovery"], win.update_count)
     win.grads_held = accumulation.get("grads_held", False)
     # Saved on the device the checkpoint was taken on: bring them to this optimizer's.
     params = opt._all_params()

@@ -76,6 +76,15 @@ class RecoveryState:
         return (f"RecoveryState(max_part_size={self.max_part_size}, grow_back_after={self.grow_back_after}, "
                 f"retries={self.retries})")
 
+    def to_state(self) -> dict:
+        return {"max_part_size": self.max_part_size, "grow_back_after": self.grow_back_after,
+                "retries": self.retries, "clean_windows": self._clean_windows}
+
+    def load_state(self, saved: dict, update_count: int) -> None:
+        self.max_part_size, self.grow_back_after = saved["max_part_size"], saved["grow_back_after"]
+        self.retries, self._clean_windows = saved["retries"], saved["clean_windows"]
+        self._updates_seen = update_count
+
     def _after_micro_batch(self, update_count: int) -> None:
         """Count the windows that closed since the last micro-batch; grow back after enough clean ones."""
         closed = update_count - self._updates_seen

@@ -503,3 +503,38 @@ def test_window_batchnorm_counts_neither_the_failed_pass_nor_the_parts_twice(bac
     _assert_close([recovered.bn.running_mean, recovered.bn.running_var],
                   [reference.bn.running_mean, reference.bn.running_var], exact)
     assert int(recovered.bn.num_batches_tracked) == 2 == int(reference.bn.num_batches_tracked)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_mid_window_checkpoint_after_a_recovery_resumes_bit_exactly(backend, mode):
+    """Saved right after the recovered micro-batch (mid-window), loaded into a fresh model and
+    optimizer: the resumed run goes on split as the uninterrupted one does (the learnt part size
+    is in the checkpoint) and ends bit for bit the same."""
+    import io
+
+    def run(checkpoint_after=None):
+        model = Net("mid")
+        opt = _optimizer(model, mode, backend, max_grad_norm=0.5 if mode != "A" else None)
+        for i, batch in enumerate(_data()):
+            model.limit = [4] if i == 1 else None
+            if mode == "A":
+                opt.run(batch, _mode_a_loss(model, i))
+                if (i + 1) % K == 0:
+                    opt.step()
+                    opt.zero_grad()
+            else:
+                opt.run(batch, _loss_fn(model))
+            if i == checkpoint_after:
+                blob = io.BytesIO()
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, blob)
+                blob.seek(0)
+                saved = torch.load(blob, weights_only=False)
+                opt.close()
+                model = Net("mid")
+                model.load_state_dict(saved["model"])
+                opt = _optimizer(model, mode, backend, max_grad_norm=0.5 if mode != "A" else None)
+                opt.load_state_dict(saved["opt"])
+                assert opt.recovery.max_part_size == 4 and opt.recovery.retries == 1
+        return _params(model)
+
+    _assert_close(run(checkpoint_after=1), run(), exact=True)
