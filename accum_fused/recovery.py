@@ -241,7 +241,7 @@ def _fail_at_one_sample(opt, tried: list, reason: str, parts_in: int):
     )
 
 
-def _call(loss_fn, part: _Part, weight: float | None, total: int | None) -> tuple[Tensor, float]:
+def _call(loss_fn, part: _Part, weight: float | None, total: int | None, summed: bool = False) -> tuple[Tensor, float]:
     """(loss, the part's weight): returned by loss_fn, else the caller's weight= shared by
     samples, else the part's sample count."""
     out = loss_fn(part.batch)
@@ -249,6 +249,9 @@ def _call(loss_fn, part: _Part, weight: float | None, total: int | None) -> tupl
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise TypeError("opt.run(): loss_fn(batch) must return a scalar loss tensor, or (loss, weight)")
     if returned is not None:
+        if summed:
+            raise ValueError("opt.run() with in_backward=True and accumulation_steps=1 (mode A) sums the backward "
+                             "passes: loss_fn must return the loss alone, scaled as your loop backpropagates it")
         return loss, float(returned)
     if weight is not None:
         return loss, float(weight) * ((part.size or 1) / (total or 1) if part.size != total else 1.0)
@@ -299,7 +302,7 @@ def _run_in_backward(opt, parts: list[_Part], loss_fn, weight, total, progress: 
             part = parts[0]
             tell_transaction(opt, "transaction_begins")
             win.part_serial += 1
-            loss, w = _call(loss_fn, part, weight, total)
+            loss, w = _call(loss_fn, part, weight, total, summed=mode_a)
             win.parts_left = len(parts) - 1
             if mode_a:
                 share = 1.0 if part.size == total or part.size is None else part.size / total

@@ -148,6 +148,12 @@ stage_fsdp() {
   fi
 }
 
+stage_oom() {
+  # A real CUDA out-of-memory error in a micro-batch, recovered by opt.run (issue 30).
+  [ "$DRY_RUN" = 1 ] && { echo "dry run: the out-of-memory check needs a GPU"; return 3; }
+  "$PYTHON" benchmarks/gpu_oom_check.py
+}
+
 find_sanitizer() {
   local c
   for c in "$(command -v compute-sanitizer)" "${CUDA_HOME:-/nonexistent}/bin/compute-sanitizer" \
@@ -185,7 +191,7 @@ stage_racecheck() {
   run_sanitized racecheck "test_window_norms"
 }
 
-export -f stage_env stage_build stage_tests bench_args stage_bench stage_train stage_fsdp find_sanitizer run_sanitized \
+export -f stage_env stage_build stage_tests bench_args stage_bench stage_train stage_fsdp stage_oom find_sanitizer run_sanitized \
   stage_memcheck stage_racecheck
 
 # run_stage NAME CAP FLOOR_OF_LATER_STAGES: at most CAP seconds, and never so long that the later
@@ -218,21 +224,24 @@ run_stage() {
 }
 
 # Caps (s) for a real run on an H100 (expected: build ~1.5 min, CUDA tests ~1.5 min, benchmarks
-# ~2.5 min, FSDP2 ~0.5 min, sanitizers ~2 min). The third number is what the stages after it are guaranteed.
+# ~2.5 min, FSDP2 ~0.5 min, the out-of-memory check ~0.5 min, sanitizers ~2 min). The third
+# number is what the stages after it are guaranteed.
 # The sanitizers run last: the slowest per finding, they take the time that is left.
 if [ "$DRY_RUN" = 1 ]; then
   run_stage env 30 0; run_stage build 60 0; run_stage tests 60 0; run_stage bench 60 0; run_stage train 60 0
   run_stage fsdp 60 0
+  run_stage oom 5 0
   run_stage memcheck 5 0; run_stage racecheck 5 0
 else
   # Measured on the H100 (2026-11-26): env 6 s, build 76 s, bench 38 s, fsdp 20 s.
-  run_stage env     30  400
-  run_stage build   150 330
-  run_stage tests   120 210
-  run_stage bench   60  150
-  run_stage train   120 90
-  run_stage fsdp    40  70
-  run_stage memcheck 100 20
+  run_stage env     30  430
+  run_stage build   150 350
+  run_stage tests   120 230
+  run_stage bench   60  170
+  run_stage train   120 130
+  run_stage fsdp    40  90
+  run_stage oom     30  60
+  run_stage memcheck 80 20
   run_stage racecheck 60 0
 fi
 

@@ -26,7 +26,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 LOG_CAP = 3 << 20  # bytes of one stage's log kept in logs.txt (head and tail)
-STAGE_ORDER = ("env", "build", "tests", "bench", "train", "fsdp", "memcheck", "racecheck")
+STAGE_ORDER = ("env", "build", "tests", "bench", "train", "fsdp", "oom", "memcheck", "racecheck")
 
 
 # ------------------------------------------------------------------------------------- env

@@ -49,7 +49,7 @@ def test_dry_run(tmp_path):
     record = json.loads((out / "gpu_check.json").read_text())
     stages = {s["stage"]: s["status"] for s in record["stages"]}
     assert stages == {"env": "ok", "build": "ok", "tests": "ok", "bench": "ok", "train": "ok", "fsdp": "ok",
-                      "memcheck": "skipped", "racecheck": "skipped"}, log
+                      "oom": "skipped", "memcheck": "skipped", "racecheck": "skipped"}, log
     assert record["env"]["dry_run"] is True
     assert record["tests"]["failed"] == record["tests"]["errors"] == 0 and record["tests"]["passed"] > 0
 

@@ -331,6 +331,10 @@ def test_misuse_is_refused(backend):
     model = Net()
     with pytest.raises(ValueError, match="summed"):
         _optimizer(model, "A", backend).run(_data()[0], _loss_fn(model), weight=2.0)
+    mode_a = _optimizer(model, "A", backend)
+    with pytest.raises(ValueError, match="sums the backward passes"):
+        mode_a.run(_data()[0], lambda b: (_loss_fn(model)(b), 3.0))
+    mode_a.close()
     opt = _optimizer(model, "plain", backend)
     with pytest.raises(TypeError, match="scalar loss"):
         opt.run(_data()[0], lambda b: model(b[0]))
