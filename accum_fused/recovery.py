@@ -173,8 +173,10 @@ def _split(batch, total: int | None, count: int, split: Callable | None) -> list
 
 
 # ------------------------------------------------------------------------------------ the run
-def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: Callable | None) -> Tensor:
-    """``opt.run``: see AccumulatingOptimizer.run."""
+def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: Callable | None,
+                    step: Callable | None = None) -> Tensor:
+    """``opt.run``: see AccumulatingOptimizer.run. ``step``: what takes a plain-mode micro-batch
+    (default ``opt.step``; a framework's wrapper passes its own, which calls ``opt.step``)."""
     win = opt._window
     if win.shards is not None:
         raise NotImplementedError(
@@ -197,7 +199,7 @@ def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: 
             if opt.in_backward:
                 loss = _run_in_backward(opt, parts, loss_fn, weight, total, progress)
             else:
-                loss = _run_plain(opt, parts, loss_fn, weight, total)
+                loss = _run_plain(opt, parts, loss_fn, weight, total, step or opt.step)
             _end(opt)
             state._after_micro_batch(win.update_count)
             return loss
@@ -261,7 +263,7 @@ def _call(loss_fn, part: _Part, weight: float | None, total: int | None, summed:
     return loss, float(part.size)
 
 
-def _run_plain(opt, parts: list[_Part], loss_fn, weight, total) -> Tensor:
+def _run_plain(opt, parts: list[_Part], loss_fn, weight, total, step: Callable) -> Tensor:
     """Every part through autograd into .grad (times its weight, rescaled by the total once at
     the end when split); then one step() takes the micro-batch."""
     for p in opt._all_params():
@@ -271,7 +273,7 @@ def _run_plain(opt, parts: list[_Part], loss_fn, weight, total) -> Tensor:
         opt._window.part_serial += 1
         loss, w = _call(loss_fn, parts[0], weight, total)
         loss.backward()
-        opt.step(weight=w)
+        step(weight=w)
         return loss.detach()
     losses, weights = [], []
     for part in parts:
@@ -285,7 +287,7 @@ def _run_plain(opt, parts: list[_Part], loss_fn, weight, total) -> Tensor:
         grads = [p.grad for p in opt._all_params() if p.grad is not None]
         if grads:
             torch._foreach_div_(grads, micro_weight)
-    opt.step(weight=micro_weight)
+    step(weight=micro_weight)
     return _mean(losses, weights)
 
 

@@ -105,6 +105,44 @@ def test_recipe_matches_big_batch(truth, backend):
     assert relative_change_error(model, truth[0]) < 1e-4
 
 
+def test_the_recipe_through_opt_run_recovers_from_out_of_memory(truth):
+    """opt.run() in the recipe's loop (issue 30): micro-batches of more than 2 sequences run out
+    of memory in the middle of backward (an injected torch.OutOfMemoryError) and are retried in
+    parts, weighted by their tokens; the loader's last batch still closes the partial window, the
+    scheduler counts updates, and the result is the big batch's, as without a failure."""
+    class OutOfMemoryAbove2(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.n = x.shape[0]
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            if ctx.n > 2:
+                raise torch.OutOfMemoryError("injected")
+            return grad
+
+    accelerator, model, opt, batches, scheduler = setup()
+    def gate(module, inputs, out):  # the first block's hidden states (a tensor, or a tuple's first item)
+        return (OutOfMemoryAbove2.apply(out[0]),) + tuple(out[1:]) if isinstance(out, tuple) else \
+            OutOfMemoryAbove2.apply(out)
+
+    hook = model.transformer.h[0].register_forward_hook(gate)
+    lrs = []
+    for batch in batches:
+        lr = opt.param_groups[0]["lr"]
+        opt.run(batch, lambda b: (token_loss_sum(model, b) / predicted_tokens(b), predicted_tokens(b)))
+        opt.recovery.max_part_size = None  # every micro-batch fails once more
+        scheduler.step()
+        if opt.updated:
+            lrs.append(lr)
+    hook.remove()
+    assert opt.recovery.retries > 0
+    assert opt.update_count == UPDATES and opt.micro_step == 0
+    assert lrs == pytest.approx(truth[1], rel=1e-12, abs=0)
+    assert max_diff(model, truth[0]) < 1e-5
+
+
 def test_accelerate_clip_grad_norm_is_routed_into_the_window_clip(truth):
     accelerator, model, opt, batches, scheduler = setup(clip=None)
     lrs, _ = train(accelerator, model, opt, batches, scheduler, clip_each_batch=True)

@@ -124,6 +124,23 @@ class AcceleratedAccumFusedOptimizer(AcceleratedOptimizer):
             inner.flush()
         return loss
 
+    def run(self, batch, loss_fn, *, weight=None, split=None):
+        """``opt.run`` (out-of-memory recovery) in the recipe's loop: the micro-batch is taken by
+        this wrapper's ``step`` (its checks, and the window closed at a prepared dataloader's
+        last batch). bf16 autocast (``mixed_precision="bf16"``) needs nothing more; fp16's
+        GradScaler is not supported by ``run`` yet."""
+        from accum_fused import recovery
+        from accum_fused.base import _check_weight
+        inner = self.optimizer
+        if self.scaler is not None:
+            raise NotImplementedError("opt.run() under accelerate's fp16 GradScaler is not supported yet: use "
+                                      "mixed_precision='bf16', or the recipe's backward + step")
+        inner._check_open("run()")
+        if weight is not None:
+            weight = _check_weight(weight)
+        step = None if getattr(inner, "in_backward", False) else self.step
+        return recovery.run_micro_batch(inner, batch, loss_fn, weight, split, step=step)
+
     @property
     def step_was_skipped(self) -> bool:
         """True when the last step() applied no update (the window is still open, or GradScaler
@@ -141,6 +158,7 @@ class AcceleratedAccumFusedOptimizer(AcceleratedOptimizer):
     micro_step = property(lambda self: self.optimizer.micro_step, doc="Micro-batches in the open window.")
     last_grad_norm = property(lambda self: self.optimizer.last_grad_norm, doc="Pre-clip norm of the last window.")
     accumulation_steps = property(lambda self: self.optimizer.accumulation_steps)
+    recovery = property(lambda self: self.optimizer.recovery, doc="Out-of-memory recovery's state (opt.run).")
     max_grad_norm = property(lambda self: self.optimizer.max_grad_norm)
 
 
