@@ -49,7 +49,10 @@ REPORT="$ROOT/benchmarks/gpu_check_report.py"
 export REPORT
 
 START=$SECONDS
-DEADLINE=$((START + ${GPU_CHECK_BUDGET_S:-540}))
+# The dry run (CI) has no device lease to fit: generous limits, so that a loaded 2-core machine
+# only makes it slower (its train stage took >60 s beside a busy test suite).
+DEFAULT_BUDGET=540; [ "$DRY_RUN" = 1 ] && DEFAULT_BUDGET=2400
+DEADLINE=$((START + ${GPU_CHECK_BUDGET_S:-$DEFAULT_BUDGET}))
 REPORT_RESERVE=15  # seconds kept for the report at the end
 
 # ------------------------------------------------------------------------------------ stages
@@ -228,10 +231,10 @@ run_stage() {
 # number is what the stages after it are guaranteed.
 # The sanitizers run last: the slowest per finding, they take the time that is left.
 if [ "$DRY_RUN" = 1 ]; then
-  run_stage env 30 0; run_stage build 60 0; run_stage tests 60 0; run_stage bench 60 0; run_stage train 60 0
-  run_stage fsdp 60 0
-  run_stage oom 5 0
-  run_stage memcheck 5 0; run_stage racecheck 5 0
+  run_stage env 120 0; run_stage build 300 0; run_stage tests 300 0; run_stage bench 300 0; run_stage train 300 0
+  run_stage fsdp 300 0
+  run_stage oom 30 0
+  run_stage memcheck 30 0; run_stage racecheck 30 0
 else
   # Measured on the H100 (2026-11-26): env 6 s, build 76 s, bench 38 s, fsdp 20 s.
   run_stage env     30  430
