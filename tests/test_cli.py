@@ -40,7 +40,7 @@ runpy.run_module("accum_fused", run_name="__main__", alter_sys=True)
 """
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120, without: tuple[str, ...] = (),
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, without: tuple[str, ...] = (),
             check: bool = True) -> subprocess.CompletedProcess:
     """``without``: modules to hide from the subprocess. Its stderr goes into stdout (unbuffered, so
     in the order written) when ``without`` is given, to check that notes come before the training."""
@@ -114,7 +114,7 @@ def test_demo_hide_module_works():
     assert proc.stdout.startswith("accum_fused "), proc.stdout
     code = "import tqdm"
     hidden = subprocess.run([sys.executable, "-c", WITHOUT_MODULES.replace("runpy.run_module", code + " #"), "tqdm"],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=600)
     assert "ModuleNotFoundError: No module named 'tqdm'" in hidden.stderr, hidden.stderr
 
 
@@ -199,7 +199,7 @@ def test_bench_quick_writes_table_json_and_png(tmp_path):
 def test_bench_rejects_an_unknown_backend(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-m", "accum_fused", "bench", "--quick", "--backends", "nope",
-                           "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=60, env=env)
+                           "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode != 0 and "unknown backend 'nope'" in proc.stderr
     assert not list(tmp_path.iterdir())
 

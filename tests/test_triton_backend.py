@@ -63,7 +63,7 @@ def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
     base["PYTHONPATH"] = os.pathsep.join([str(ROOT), base.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**base, **env},
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
 # ------------------------------------------------------------------------------ availability
