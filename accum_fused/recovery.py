@@ -195,6 +195,7 @@ def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: 
     tried = [max(p.size or 0 for p in parts)]
     progress = [0]  # in_backward: parts already in the window
     while True:
+        closings = win.closings
         try:
             if opt.in_backward:
                 loss = _run_in_backward(opt, parts, loss_fn, weight, total, progress)
@@ -205,7 +206,10 @@ def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: 
             return loss
         except Exception as exc:  # noqa: BLE001 (out-of-memory or not: decided here)
             tell_transaction(opt, "transaction_failed")  # (the failed pass's forwards do not count)
-            if not is_out_of_memory(exc):
+            # A failure in the window's update (it had begun: Window.close) is not the pass's: the
+            # window is gone with it (Window.close), and retrying the micro-batch would make it
+            # the first of a new window. Raised as it is.
+            if not is_out_of_memory(exc) or win.closings != closings:
                 _give_up(opt, progress[0])
                 raise
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"

@@ -112,6 +112,7 @@ class Window:
         self.complete: set[Tensor] = set()
         self.transaction = False
         self.part_serial = 0  # bumped as each part runs: accum_fused.nn's records tell parts apart by it
+        self.closings = 0  # bumped as close() begins: a failure after it was the update's, not a pass's
 
     def last_part(self) -> bool:
         """Whether the micro-batch being added ends with this part (see ``parts_left``)."""
@@ -350,6 +351,7 @@ class Window:
         clip and update. ``last_pairs`` is the last micro-batch, not yet accumulated (folded into
         the update pass); ``norms`` the per-parameter window-gradient norms already computed.
         Sets and returns ``updated``."""
+        self.closings += 1
         weight_sum, skip, clip_coef = self._agree(opt, flushing)
         # An empty window (no gradient anywhere: no micro-batch on any rank, or only None grads)
         # is not an update, as torch.optim's step without gradients changes nothing.
@@ -373,6 +375,7 @@ class Window:
         """Close a window whose last micro-batch updated the parameters in ``done`` inside their
         in-backward hooks; the window's other live parameters (no gradient in that micro-batch)
         are updated here."""
+        self.closings += 1
         closed = False
         try:
             self.live -= done

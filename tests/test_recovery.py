@@ -542,3 +542,22 @@ def test_a_mid_window_checkpoint_after_a_recovery_resumes_bit_exactly(backend, m
         return _params(model)
 
     _assert_close(run(checkpoint_after=1), run(), exact=True)
+
+
+def test_out_of_memory_in_the_update_is_not_retried_as_the_micro_batchs(backend, monkeypatch):
+    """The window's update itself runs out of memory (its state allocated at the first update):
+    that is not the micro-batch's pass, whose retry would start a new window with it; it is
+    raised as it is."""
+    model = Net()
+    opt = _optimizer(model, "plain", backend)
+    data = _data()
+    for batch in data[:K - 1]:
+        opt.run(batch, _loss_fn(model))
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected in the update")
+
+    monkeypatch.setattr(opt, "_apply_window", no_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="in the update"):
+        opt.run(data[K - 1], _loss_fn(model))
+    assert opt.recovery.retries == 0 and opt.micro_step == 0 and opt.update_count == 0
