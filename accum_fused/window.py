@@ -114,6 +114,11 @@ class Window:
         self.part_serial = 0  # bumped as each part runs: accum_fused.nn's records tell parts apart by it
         self.closings = 0  # bumped as close() begins: a failure after it was the update's, not a pass's
 
+    def __setstate__(self, state: dict) -> None:
+        # An optimizer pickled before out-of-memory recovery has a window without its fields.
+        self.__dict__.update(parts_left=0, complete=set(), transaction=False, part_serial=0, closings=0)
+        self.__dict__.update(state)
+
     def last_part(self) -> bool:
         """Whether the micro-batch being added ends with this part (see ``parts_left``)."""
         return self.parts_left == 0
