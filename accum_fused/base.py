@@ -92,8 +92,9 @@ class AccumulatingOptimizer:
 
     accumulation_steps = property(
         _accumulation_steps_get, _accumulation_steps_set,
-        doc="Micro-batches per window, validated as at construction; a change takes effect when the open "
-            "window closes at its old length or the new one, whichever it reaches first.")
+        doc="Micro-batches per window, validated as at construction. A change applies to the open window "
+            "too: it closes when its micro-batch count reaches the new value (with the next micro-batch if it "
+            "already has).")
     micro_step = _window_view("micro_step", "Micro-batches in the open window.")
     updated = _window_view("updated", "Whether the last step()/flush() applied an update.")
     update_count = _window_view("update_count", "Updates applied (skipped or empty windows do not count).")
