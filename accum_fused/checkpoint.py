@@ -57,8 +57,9 @@ LISTENER_ENTRIES = {"window_batchnorm": "accum_fused.nn.window_batchnorm(model, 
 class Unclaimed:
     """A listener's entry loaded into an optimizer that has no such listener yet (load_state_dict
     before window_batchnorm dropped it silently: running_var 1.1% off the uninterrupted run in
-    issue 29, 5.1% in tests/test_nn_batchnorm.py's checkpoint run). It waits, as a listener of the loaded window, for the listener registered
-    later to claim it; state_dict() saves it meanwhile; a window that ends unclaimed warns."""
+    issue 29, 5.1% in tests/test_nn_batchnorm.py's checkpoint run). It waits, as a listener of the
+    loaded window, for the listener registered later to claim it; state_dict() saves it meanwhile;
+    a window that ends unclaimed warns."""
 
     def __init__(self, key: str, entry: Any) -> None:
         self.key, self.entry = key, entry
@@ -181,6 +182,10 @@ def _window_inside_state(opt, state_dict: dict[str, Any]) -> dict[str, Any]:
             "saves: checkpoint at a window boundary (after the update or flush())"
         )
     entry = state_dict.pop("accumulation")
+    # DCP saves a group's values once for every rank; the rank's own part rides in rank_weights
+    # (a DTensor, one shard per rank) and in the sharded buffers.
+    entry.pop("rank", None)
+    entry.pop("world_size", None)
     state = dict(state_dict["state"])
     for index, p in enumerate(opt._all_params()):
         if p.requires_grad:
