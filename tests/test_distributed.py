@@ -125,44 +125,6 @@ def test_add_param_group_gets_a_synced_buffer(single_rank_group):
         torch.testing.assert_close(p, b - 0.5 * torch.ones_like(b))
 
 
-@pytest.mark.parametrize("mode", ["plain", "mode_b"])
-def test_tensors_given_to_collectives_outlive_gloos_worker(single_rank_group, monkeypatch, mode):
-    """gloo's worker thread holds each tensor of a collective until just after wait() returns; a
-    tensor whose Python object was dropped already is then freed by that thread, which takes the
-    GIL for it, and aborts the process ("terminate called without an active exception") when the
-    interpreter is exiting. The window's reduce keeps every tensor it sent alive itself, so that
-    gloo's thread never drops the last reference (issue 29 row 5)."""
-    import gc
-    import time
-    import weakref
-
-    sent = []
-    all_reduce = torch.distributed.all_reduce
-
-    def recording_all_reduce(tensor, *args, **kwargs):
-        sent.append(weakref.ref(tensor))
-        return all_reduce(tensor, *args, **kwargs)
-
-    monkeypatch.setattr(torch.distributed, "all_reduce", recording_all_reduce)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    opt = accum_fused.AdamW(model.parameters(), lr=0.1, accumulation_steps=2, process_group=single_rank_group,
-                            in_backward=mode == "mode_b")
-    for _ in range(2):
-        loss = model(torch.randn(3, 4)).square().mean()
-        if mode == "mode_b":
-            opt.backward(loss)
-        else:
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-    assert opt.updated and len(sent) >= 2  # the metadata and at least one bucket
-    time.sleep(0.2)  # gloo's worker has long released its references
-    gc.collect()
-    assert all(ref() is not None for ref in sent), \
-        f"{sum(ref() is None for ref in sent)} of {len(sent)} tensors sent to all_reduce were freed once the window " \
-        "closed: gloo's worker thread may have dropped their last reference (and taken the GIL to do it)"
-
-
 def test_readme_torchrun_example_runs():
     """The README's `torchrun --nproc-per-node 2 examples/data_parallel.py`, as written."""
     example = Path(__file__).resolve().parents[1] / "examples" / "data_parallel.py"
