@@ -315,7 +315,7 @@ class AccumulatingOptimizer:
         return applied
 
     def run(self, batch, loss_fn: Callable[[Any], Any], *, weight: float | Tensor | None = None,
-            split: Callable[[Any, int], list] | None = None) -> Tensor:
+            split: Callable[[Any, int], list] | None = None, scaler=None) -> Tensor:
         """Run one micro-batch and take it into the window, recovering from out-of-memory:
         ``loss_fn(batch)`` returns its loss (a mean over what it holds), or ``(loss, weight)``;
         the weight defaults to ``weight=``, else the batch's size along dim 0. Plain mode: forward,
@@ -329,8 +329,10 @@ class AccumulatingOptimizer:
         counts as one micro-batch. Later micro-batches start at the split that worked
         (``opt.recovery``). A part of one sample that still runs out raises RuntimeError naming
         the sizes tried. Every retry is logged (logger "accum_fused") and counted
-        (``opt.recovery.retries``). Returns the micro-batch's loss, detached (the weighted mean
-        of its parts' when split). See accum_fused/recovery.py for what is exact per mode."""
+        (``opt.recovery.retries``). ``scaler``: a torch.amp.GradScaler (plain mode): losses are
+        scaled, ``scaler.step(opt, weight=)`` and ``scaler.update()`` take the micro-batch.
+        Returns the micro-batch's loss, detached (the weighted mean of its parts' when split). See
+        accum_fused/recovery.py for what is exact per mode."""
         from . import recovery
         self._check_open("run()")
         if weight is not None:
@@ -340,7 +342,7 @@ class AccumulatingOptimizer:
                                  "a micro-batch weight has no meaning there (scale the loss instead)")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (batch -> loss or (loss, weight)), got {type(loss_fn).__name__}")
-        return recovery.run_micro_batch(self, batch, loss_fn, weight, split)
+        return recovery.run_micro_batch(self, batch, loss_fn, weight, split, scaler=scaler)
 
     @property
     def recovery(self):

@@ -174,9 +174,12 @@ def _split(batch, total: int | None, count: int, split: Callable | None) -> list
 
 # ------------------------------------------------------------------------------------ the run
 def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: Callable | None,
-                    step: Callable | None = None) -> Tensor:
+                    step: Callable | None = None, scaler=None) -> Tensor:
     """``opt.run``: see AccumulatingOptimizer.run. ``step``: what takes a plain-mode micro-batch
-    (default ``opt.step``; a framework's wrapper passes its own, which calls ``opt.step``)."""
+    (default ``opt.step``; a framework's wrapper passes its own, which calls ``opt.step``).
+    ``scaler``: a torch.amp.GradScaler (plain mode): the parts' losses are scaled, the micro-batch
+    is taken by ``scaler.step`` and ``scaler.update`` follows; a failed pass changes nothing of
+    the scaler's (``scale()`` only reads its scale)."""
     win = opt._window
     if win.shards is not None:
         raise NotImplementedError(
@@ -184,6 +187,13 @@ def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: 
             "rank that split its micro-batch would run collectives the other ranks do not; call "
             "opt.backward(loss, weight=...) yourself with micro-batches that fit"
         )
+    if scaler is not None:
+        if opt.in_backward:
+            raise RuntimeError(f"{type(opt).__name__}(in_backward=True).run(scaler=...): GradScaler finds non-finite "
+                               "gradients by reading .grad, which in_backward frees inside backward; use bf16")
+        if step is not None:
+            raise NotImplementedError("opt.run(scaler=...) through a framework's wrapper")
+        step = _scaled_step(opt, scaler)
     if win.backward_done or win.backward_pass is not None or win.parts_left:
         raise RuntimeError(f"{type(opt).__name__}.run() while another micro-batch is pending (backward() without "
                            "step(), or inside a backward pass): finish it first")
@@ -200,7 +210,8 @@ def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: 
             if opt.in_backward:
                 loss = _run_in_backward(opt, parts, loss_fn, weight, total, progress)
             else:
-                loss = _run_plain(opt, parts, loss_fn, weight, total, step or opt.step)
+                loss = _run_plain(opt, parts, loss_fn, weight, total, step or opt.step,
+                                  scale=(lambda x: x) if scaler is None else scaler.scale)
             _end(opt)
             state._after_micro_batch(win.update_count)
             return loss
@@ -267,7 +278,14 @@ def _call(loss_fn, part: _Part, weight: float | None, total: int | None, summed:
     return loss, float(part.size)
 
 
-def _run_plain(opt, parts: list[_Part], loss_fn, weight, total, step: Callable) -> Tensor:
+def _scaled_step(opt, scaler) -> Callable:
+    def step(weight: float) -> None:
+        scaler.step(opt, weight=weight)
+        scaler.update()
+    return step
+
+
+def _run_plain(opt, parts: list[_Part], loss_fn, weight, total, step: Callable, scale: Callable) -> Tensor:
     """Every part through autograd into .grad (times its weight, rescaled by the total once at
     the end when split); then one step() takes the micro-batch."""
     for p in opt._all_params():
@@ -276,14 +294,14 @@ def _run_plain(opt, parts: list[_Part], loss_fn, weight, total, step: Callable) 
     if len(parts) == 1:
         opt._window.part_serial += 1
         loss, w = _call(loss_fn, parts[0], weight, total)
-        loss.backward()
+        scale(loss).backward()
         step(weight=w)
         return loss.detach()
     losses, weights = [], []
     for part in parts:
         opt._window.part_serial += 1
         loss, w = _call(loss_fn, part, weight, total)
-        (loss * w).backward()
+        scale(loss * w).backward()
         losses.append(loss.detach())
         weights.append(w)
     micro_weight = sum(weights)
