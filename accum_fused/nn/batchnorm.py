@@ -166,8 +166,9 @@ class _Record:
     call in each micro-batch, pooled over the micro-batches (the big batch's forward makes the
     same calls, each on the concatenation of what the micro-batches passed to it);
     ``per_micro_batch``: how many calls a micro-batch makes, known once one micro-batch has
-    ended; ``micro_batch`` / ``made``: the micro-batch being recorded (the window's micro_step,
-    which moves on when step() or a backward pass takes a micro-batch) and its calls so far."""
+    ended; ``micro_batch`` / ``made``: the micro-batch being recorded (the window's
+    (micro_step, part_serial): micro_step moves on when step() or a backward pass takes a
+    micro-batch, part_serial when opt.run() runs a part of one) and its calls so far."""
 
     def __init__(self, calls: list[Stats] | None = None, per_micro_batch: int | None = None,
                  micro_batch: int | None = None, made: int = 0) -> None:
@@ -176,7 +177,7 @@ class _Record:
         self.micro_batch = micro_batch
         self.made = made
 
-    def add(self, name: str, micro_batch: int, stats: Stats) -> None:
+    def add(self, name: str, micro_batch: tuple[int, int], stats: Stats) -> None:
         """Pool one call's ``stats`` into the call it is; a call that makes its micro-batch's count
         differ from the others' raises and changes nothing."""
         per, made = self.per_micro_batch, self.made
