@@ -49,6 +49,8 @@ Usage (from the repository root):
   python benchmarks/bench_transformer.py                  # 21M params, k=8, clip 1.0 and none, 2 threads
   python benchmarks/bench_transformer.py --clip on --contenders native,mode_b,fb_only --repeats 20
   python benchmarks/bench_transformer.py --qkv separate --tie --layers 2
+  python benchmarks/bench_transformer.py --lora 8 --layers 24 --qkv separate --d-model 256 --heads 4 --clip on
+      # LoRA-shaped (issue 31): frozen base, 288 rank-8 adapter tensors
   python benchmarks/bench_transformer.py --layers 1 --d-model 64 --heads 2 --vocab 128 --seq 16 \\
       --micro-batch 2 --k 2 --warmup 1 --repeats 2 --json /tmp/bt.json --plot /tmp/bt.png   # seconds
 """
@@ -130,9 +132,37 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class LoRALinear(nn.Module):
+    """A frozen Linear plus a trainable rank-r update: base(x) + (x A^T) B^T (LoRA, Hu et al.
+    2021). B starts small rather than zero, so that A and B both get gradients from the start."""
+
+    def __init__(self, base: nn.Linear, rank: int):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.a = nn.Parameter(torch.randn(rank, base.in_features) / base.in_features ** 0.5)
+        self.b = nn.Parameter(torch.randn(base.out_features, rank) * 1e-3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + F.linear(F.linear(x, self.a), self.b)
+
+
+def add_lora(model: GPT, rank: int) -> GPT:
+    """Freeze the whole model, then give every Linear of the blocks (qkv or q/k/v, proj, both MLP
+    layers) a rank-``rank`` adapter: 2 small trainable tensors per projection, the shape of
+    adapter fine-tuning."""
+    model.requires_grad_(False)
+    for block in model.blocks:
+        for name, child in list(block.named_modules()):
+            if isinstance(child, nn.Linear):
+                parent = block.get_submodule(name.rsplit(".", 1)[0]) if "." in name else block
+                setattr(parent, name.rsplit(".", 1)[-1], LoRALinear(child, rank))
+    return model
+
+
 def build_model(args) -> GPT:
     torch.manual_seed(args.seed)
-    return GPT(args.vocab, args.seq, args.d_model, args.layers, args.heads, args.tie, args.qkv == "separate")
+    model = GPT(args.vocab, args.seq, args.d_model, args.layers, args.heads, args.tie, args.qkv == "separate")
+    return add_lora(model, args.lora) if args.lora else model
 
 
 def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -156,7 +186,8 @@ class Contender:
 
     def __init__(self, model: nn.Module, k: int, clip: float | None, backend: str, impl: str):
         self.model = self.prepare(model)
-        self.params = list(self.model.parameters())
+        # The trainable ones (all, unless --lora), as a fine-tuning loop hands its optimizer.
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.k, self.clip = k, clip
         self.opt = None
         self.setup(backend, impl)
@@ -349,6 +380,10 @@ def summarise(contenders: list[Contender], times: dict, faults: dict, clip, wind
                  "held_bytes_after_window": held, "held_bytes_per_param_after_window": held / numel}
         if "fb_only" in times and c.name != "fb_only":
             entry["optimizer_side_ms"] = statistics.median(t - f for t, f in zip(ts, times["fb_only"]))
+            # (what the optimizer side costs per trainable tensor per micro-batch: host work, with
+            # many small tensors)
+            entry["optimizer_side_us_per_tensor_per_micro_batch"] = entry["optimizer_side_ms"] * 1e3 / (
+                len(c.params) * c.k)
         if native is not None:
             entry.update(versus_native(c, times, native))
         problems = [c.check(windows)]
@@ -383,7 +418,8 @@ def _fmt(r: dict, key: str, spec: str) -> str:
 
 def print_table(results: list[dict]) -> None:
     header = ["clip", "contender", "ms/window (median)", "IQR ms", "ratio vs native (median of rounds)",
-              "ratio of medians", "optimizer-side ms (- fb_only)", "optimizer-side ratio", "page faults per window",
+              "ratio of medians", "optimizer-side ms (- fb_only)", "optimizer-side ratio", "µs/tensor/micro-batch",
+              "page faults per window",
               "held B/param after a window", "max |Δparam| vs native", "check"]
     print()
     print("| " + " | ".join(header) + " |")
@@ -392,7 +428,7 @@ def print_table(results: list[dict]) -> None:
         row = [str(r["max_grad_norm"]), r["contender"], f"{r['median_ms']:.1f}", f"{r['q1_ms']:.1f}-{r['q3_ms']:.1f}",
                _fmt(r, "median_ratio_vs_native", ".3f"), _fmt(r, "ratio_of_medians_vs_native", ".3f"),
                _fmt(r, "optimizer_side_ms", ".1f"), _fmt(r, "optimizer_side_ratio_vs_native", ".3f"),
-               f"{r['page_faults_per_window']:.0f}", f"{r['held_bytes_per_param_after_window']:.2f}",
+               _fmt(r, "optimizer_side_us_per_tensor_per_micro_batch", ".2f"), f"{r['page_faults_per_window']:.0f}", f"{r['held_bytes_per_param_after_window']:.2f}",
                _fmt(r, "max_abs_diff_vs_native", ".1e"), r["check"] or "ok"]
         print("| " + " | ".join(row) + " |")
 
@@ -446,6 +482,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--qkv", choices=("fused", "separate"), default="fused",
                     help="one Linear(d, 3d) or three Linear(d, d)")
     ap.add_argument("--clip", choices=("both", "on", "off"), default="both", help="max_grad_norm 1.0, none, or both")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK",
+                    help="freeze the model and train rank-RANK adapters on every Linear of the blocks (issue 31)")
     ap.add_argument("--contenders", default="native,plain,mode_a,mode_b,fb_only",
                     help=f"comma list of {', '.join(CONTENDERS)}")
     ap.add_argument("--backend", default="auto")
@@ -476,7 +514,9 @@ def config_record(args, model: nn.Module, clips: list, resolved: str, impl: str)
     params = list(model.parameters())
     return {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "vocab": args.vocab,
             "seq": args.seq, "micro_batch": args.micro_batch, "k": args.k, "tie": args.tie, "qkv": args.qkv,
-            "params": sum(p.numel() for p in params), "tensors": len(params),
+            "params": sum(p.numel() for p in params), "tensors": len(params), "lora_rank": args.lora,
+            "trainable_params": sum(p.numel() for p in params if p.requires_grad),
+            "trainable_tensors": sum(p.requires_grad for p in params),
             "tokens_per_window": args.k * args.micro_batch * args.seq, "clips": clips,
             "contenders": args.contenders, "backend": args.backend, "resolved_backend": resolved,
             "native_adamw": impl, "warmup": args.warmup, "repeats": args.repeats, "lr": LR,
@@ -490,6 +530,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     model = build_model(args)
     numel, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    trainable = [p for p in model.parameters() if p.requires_grad]
     batches = make_batches(args, args.warmup + args.repeats)
     impl = native_adamw_impl(torch.device("cpu"), torch.float32)
     resolved = accum_fused.backends.resolve(args.backend, torch.device("cpu"), torch.float32)
@@ -497,7 +538,8 @@ def main(argv=None) -> int:
     clips = {"both": [1.0, None], "on": [1.0], "off": [None]}[args.clip]
     load_before = loadavg()
     print(f"GPT {args.layers} layers, d {args.d_model}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, "
-          f"qkv {args.qkv}, {'tied' if args.tie else 'untied'} head: {numel:,} fp32 params in {tensors} tensors; "
+          f"qkv {args.qkv}, {'tied' if args.tie else 'untied'} head: {numel:,} fp32 params in {tensors} tensors"
+          f"{f', LoRA rank {args.lora}: {sum(p.numel() for p in trainable):,} trainable in {len(trainable)}' if args.lora else ''}; "
           f"k={args.k} x {args.micro_batch} sequences, threads {torch.get_num_threads()}, backend {args.backend} -> "
           f"{resolved}, native AdamW {impl}, {args.warmup} warm-up + {args.repeats} timed windows, "
           f"load average {load_before}", flush=True)
