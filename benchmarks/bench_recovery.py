@@ -8,6 +8,8 @@
    hook; under run() that pass only accumulates and the update follows at its end, so that a
    failure in it updates nothing). Reported: median ms per window, the median of the per-round
    ratios run/loop, and the bytes the optimizer holds after a window (buffers and state) for both.
+3. ``--exactness``: per mode and failure point, the parameters after two windows against the run
+   given the same split from the start and against the unsplit run.
 2. One recovery: the same run() windows with one micro-batch per window running out of memory
    (an injected torch.OutOfMemoryError in the middle of its backward, as a real one would come):
    ms per window against the clean run() windows, i.e. what one retry costs (the failed pass's
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
 import statistics
 import sys
@@ -70,6 +73,73 @@ class MLP(nn.Module):
         return x
 
 
+class _GateAt(torch.autograd.Function):
+    """Identity; raises torch.OutOfMemoryError in backward while ``armed[0]`` and the pass holds
+    more than ``armed[1]`` samples (re-armed by the caller per micro-batch)."""
+
+    @staticmethod
+    def forward(ctx, x, armed):
+        ctx.n, ctx.armed = x.shape[0], list(armed)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.armed[0] and ctx.n > ctx.armed[1]:
+            raise torch.OutOfMemoryError("injected by bench_recovery --exactness")
+        return grad, None
+
+
+def exactness(args) -> list[dict]:
+    """Per mode and failure point, the largest parameter difference after 2 windows between the
+    run whose micro-batch 1 fails once (retried split in 2) and (a) the run given that split from
+    the start, (b) the unsplit run without any failure. Failure points: forward (nothing ran),
+    out (backward, before any gradient), mid (half the layers' gradients in)."""
+    width, layers, k = 64, 4, 4
+    gen = torch.Generator().manual_seed(2)
+    data = [(torch.randn(16, width, generator=gen), torch.randn(16, width, generator=gen)) for _ in range(2 * k)]
+
+    def train(mode, where, fail, preset):
+        torch.manual_seed(0)
+        model = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        opt = accum_fused.AdamW(model.parameters(), lr=1e-2, accumulation_steps=1 if mode == "A" else k,
+                                in_backward=mode != "plain", backend=args.backend, max_grad_norm=1.0)
+        for i, (x, y) in enumerate(data):
+            armed = [fail and i == 1, 8]
+
+            def loss_fn(b):
+                h = b[0]
+                if where == "forward" and armed[0] and h.shape[0] > armed[1]:
+                    raise torch.OutOfMemoryError("injected in forward")
+                for j, layer in enumerate(model):
+                    h = torch.tanh(layer(h))
+                    if where == "mid" and j == layers // 2 - 1:
+                        h = _GateAt.apply(h, armed)
+                out = _GateAt.apply(h, armed) if where == "out" else h
+                loss = nn.functional.mse_loss(out, b[1])
+                # mode A sums passes: the loop's constant 1/k (run() gives a part its share)
+                return loss / k if mode == "A" else loss
+            opt.recovery.max_part_size = 8 if (preset and i == 1) else None
+            opt.run((x, y), loss_fn)
+            armed[0] = False
+            if mode == "A" and (i + 1) % k == 0:
+                opt.step()
+                opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    rows = []
+    for mode in ("plain", "A", "B"):
+        for where in ("forward", "out", "mid"):
+            recovered = train(mode, where, True, False)
+            split = train(mode, where, False, True)
+            unsplit = train(mode, where, False, False)
+            d_split = max((a - b).abs().max().item() for a, b in zip(recovered, split))
+            d_unsplit = max((a - b).abs().max().item() for a, b in zip(recovered, unsplit))
+            rows.append(dict(mode=mode, failure=where, vs_split_from_start=d_split, vs_unsplit=d_unsplit))
+            print(f"exactness  mode {mode:<5} failure {where:<7}  max |dparam| vs split from the start "
+                  f"{d_split:.1e}   vs unsplit {d_unsplit:.1e}")
+    return rows
+
+
 def held_bytes(opt) -> int:
     tensors = {id(t): t for t in opt._window.buffers.values()}
     for state in opt.state.values():
@@ -87,6 +157,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backend", default="cpp")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--exactness", action="store_true", help="also the exactness table (seconds)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     logging.getLogger("accum_fused").setLevel(logging.ERROR)  # (one retry logged per window otherwise)
@@ -147,12 +218,13 @@ def main() -> None:
         rows.append(row)
         print(f"{name:<14} {row['ms_per_window']:9.1f} {q[0]:6.1f}-{q[2]:<6.1f} {base:>10} {row['ratio']:6.3f} "
               f"{row['held_bytes'] / 1e6:8.1f}")
+    exact_rows = exactness(args) if args.exactness else None
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(dict(
             args=vars(args) | {"json": str(args.json)}, params=params, torch=torch.__version__,
-            machine=platform.machine(), processor=platform.processor(), rows=rows,
-            times_ms=times), indent=1))
+            machine=platform.machine(), processor=platform.processor(), loadavg=os.getloadavg(), rows=rows,
+            times_ms=times, exactness=exact_rows), indent=1))
         print(f"wrote {args.json}")
 
 
