@@ -111,7 +111,8 @@ TINY_DEMO = ("demo", "--device", "cpu", "--epochs", "2", "--backend", "torch")
 def test_demo_hide_module_works():
     # The harness itself: a hidden module raises ModuleNotFoundError, as when it is not installed.
     proc = run_cli("info", without=("tqdm", "matplotlib"))
-    assert proc.stdout.startswith("accum_fused "), proc.stdout
+    # (installed without the extension, the reference fallback's one warning comes first)
+    assert any(line.startswith("accum_fused ") for line in proc.stdout.splitlines()), proc.stdout
     code = "import tqdm"
     hidden = subprocess.run([sys.executable, "-c", WITHOUT_MODULES.replace("runpy.run_module", code + " #"), "tqdm"],
                             capture_output=True, text=True, timeout=600)
