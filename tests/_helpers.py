@@ -267,6 +267,14 @@ def run_ranks(worker, out_dir, world_size: int, stall_s: int) -> list[dict]:
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
+def built_without_extension() -> bool:
+    """ACCUM_FUSED_NO_EXTENSION=1 at install time leaves no accum_fused._C at all (setup.py fails
+    loudly when a build it attempts fails), also when the variable is not set for the tests."""
+    import importlib.util
+    import os
+    return os.environ.get("ACCUM_FUSED_NO_EXTENSION") == "1" or importlib.util.find_spec("accum_fused._C") is None
+
+
 def worker_backends() -> list[str]:
     """The backends a two-rank worker runs every scenario on (CPU tensors): those that run them here."""
     from conftest import cpu_skip_reason

@@ -14,15 +14,10 @@ import torch
 import accum_fused
 from accum_fused import backends
 
-
-def _built_without_extension() -> bool:
-    """ACCUM_FUSED_NO_EXTENSION=1 at install time leaves no accum_fused._C at all (setup.py fails
-    loudly when a build it attempts fails), also when the variable is not set for the tests."""
-    import importlib.util
-    return os.environ.get("ACCUM_FUSED_NO_EXTENSION") == "1" or importlib.util.find_spec("accum_fused._C") is None
+from _helpers import built_without_extension
 
 
-@pytest.mark.skipif(_built_without_extension(), reason="installed without the extension (ACCUM_FUSED_NO_EXTENSION=1)")
+@pytest.mark.skipif(built_without_extension(), reason="installed without the extension (ACCUM_FUSED_NO_EXTENSION=1)")
 def test_compiled_backend_loads():
     assert "cpp" in accum_fused.available_backends(), backends.unavailable_reasons().get("cpp")
     assert backends.resolve("auto", torch.device("cpu"), torch.float32).name == "cpp"
