@@ -34,7 +34,7 @@ class Net(nn.Module):
         return self.out(self.norm(torch.nn.functional.gelu(h)))
 
 
-def _train(fuse, *, backend="cpp", mode="B", clip=None, ckpt=None, autocast=False, windows=3, stop_before=None):
+def _train(fuse, *, backend="auto", mode="B", clip=None, ckpt=None, autocast=False, windows=3, stop_before=None):
     torch.manual_seed(0)
     model = Net()
     k = K if mode == "B" else 1
