@@ -267,7 +267,7 @@ class AccumulatingOptimizer:
         if weight is None:
             weight = 1.0 if win.pending_weight is None else win.pending_weight
         pairs = self._collect_grads()
-        if not pairs and not self.in_backward:
+        if not pairs and not self.in_backward and self.accumulation_steps > 1:  # (k=1: a no-op, as torch's)
             self._warn_no_gradient(weight)
         win.add_micro_batch(self, pairs, weight, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         if self.accumulation_steps > 1:
