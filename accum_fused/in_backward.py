@@ -492,6 +492,9 @@ def take_written(opt, p: Tensor, writer) -> bool:
     into ``p``'s window buffer (the GEMM's output), taking the same path through the pass as a
     gradient would. False: this backward is not a micro-batch of ``opt`` (the caller hands
     autograd the gradient instead)."""
+    complete = opt._window.complete
+    if complete and p in complete:  # a failed run() pass already wrote this micro-batch's gradient
+        return True
     joined = _join_pass(opt, p)
     if joined is not None:
         _add(opt, p, writer, *joined)
