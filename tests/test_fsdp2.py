@@ -79,3 +79,34 @@ print("refused")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0 and "refused" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_out_of_memory_recovery_is_refused_clearly():
+    """opt.run() (issue 30) under a real fully_shard model: FSDP2 reduce-scatters inside every
+    backward, so a rank that split its micro-batch would run collectives the others do not: run()
+    raises NotImplementedError naming what to do, before anything runs (a one-process gloo group
+    in a fresh interpreter)."""
+    script = """
+import socket, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+import accum_fused
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+fully_shard(model)
+opt = accum_fused.AdamW(model.parameters(), lr=0.1, accumulation_steps=2)
+calls = []
+try:
+    opt.run((torch.ones(3, 4), torch.ones(3, 2)), lambda b: calls.append(1) or model(b[0]).sum())
+except NotImplementedError as exc:
+    assert "FSDP2" in str(exc) and "opt.backward(loss, weight=" in str(exc), exc
+else:
+    raise AssertionError("run() accepted under FSDP2")
+assert calls == [] and opt.micro_step == 0
+dist.destroy_process_group()
+print("refused")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert finished_apart_from_gloo_exit_abort(proc, "refused", ranks=1), proc.stdout[-3000:] + proc.stderr[-3000:]
