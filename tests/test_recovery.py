@@ -98,6 +98,17 @@ def _optimizer(model, mode, backend, **kw):
                              in_backward=mode != "plain", backend=backend, **kw)
 
 
+def _run_one(opt, model, mode, i, batch):
+    """Micro-batch i through opt.run; mode A: the loop's scaled loss, step() at the window's end."""
+    if mode == "A":
+        opt.run(batch, _mode_a_loss(model, i))
+        if (i + 1) % K == 0:
+            opt.step()
+            opt.zero_grad()
+    else:
+        opt.run(batch, _loss_fn(model))
+
+
 def _train(mode, backend, where=None, limit=None, max_part_size=None, fail_at=(), **kw):
     """Two windows through opt.run; the gate is armed for the micro-batches in ``fail_at``."""
     model = Net(where)
@@ -105,13 +116,7 @@ def _train(mode, backend, where=None, limit=None, max_part_size=None, fail_at=()
     opt.recovery.max_part_size = max_part_size
     for i, batch in enumerate(_data()):
         model.limit = [limit] if i in fail_at else None
-        if mode == "A":  # the caller's loop owns the window: the loss scaled to its share, step() at its end
-            opt.run(batch, _mode_a_loss(model, i))
-            if (i + 1) % K == 0:
-                opt.step()
-                opt.zero_grad()
-        else:
-            opt.run(batch, _loss_fn(model))
+        _run_one(opt, model, mode, i, batch)
     assert opt.update_count == 2
     return model, opt
 
@@ -148,13 +153,7 @@ def test_a_micro_batch_that_runs_out_of_memory_is_split_and_counted_once(backend
     ref_opt = _optimizer(model, mode, backend)
     for i, batch in enumerate(_data()):
         ref_opt.recovery.max_part_size = None if i == 0 else 4
-        if mode == "A":
-            ref_opt.run(batch, _mode_a_loss(model, i))
-            if (i + 1) % K == 0:
-                ref_opt.step()
-                ref_opt.zero_grad()
-        else:
-            ref_opt.run(batch, _loss_fn(model))
+        _run_one(ref_opt, model, mode, i, batch)
     exact = mode == "plain" or where in ("forward", "out")
     _assert_close(_params(recovered_model), _params(model), exact)
 
@@ -521,13 +520,7 @@ def test_a_mid_window_checkpoint_after_a_recovery_resumes_bit_exactly(backend, m
         opt = _optimizer(model, mode, backend, max_grad_norm=0.5 if mode != "A" else None)
         for i, batch in enumerate(_data()):
             model.limit = [4] if i == 1 else None
-            if mode == "A":
-                opt.run(batch, _mode_a_loss(model, i))
-                if (i + 1) % K == 0:
-                    opt.step()
-                    opt.zero_grad()
-            else:
-                opt.run(batch, _loss_fn(model))
+            _run_one(opt, model, mode, i, batch)
             if i == checkpoint_after:
                 blob = io.BytesIO()
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, blob)
