@@ -89,8 +89,8 @@ def _extension_options() -> dict:
         return {}
     from torch.utils import cpp_extension
 
-    sources = ["csrc/bindings.cpp", "csrc/hooks.cpp", "csrc/cpu/driver.cpp", "csrc/cpu/kernels.cpp",
-               "csrc/cpu/kernels_avx2.cpp"]
+    sources = ["csrc/bindings.cpp", "csrc/hooks.cpp", "csrc/step_table.cpp", "csrc/cpu/driver.cpp",
+               "csrc/cpu/kernels.cpp", "csrc/cpu/kernels_avx2.cpp"]
     # -ffp-contract=off: the kernels fuse a multiply-add only where torch's kernels do
     # (csrc/math.h); letting the compiler contract others would break bit-equality with torch.
     cxx = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-Wno-unknown-pragmas"]

@@ -266,10 +266,13 @@ class AccumulatingOptimizer:
                 loss = closure()
         if weight is None:
             weight = 1.0 if win.pending_weight is None else win.pending_weight
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        if win.take_with_table(self, weight, grad_scale, found_inf):  # (the common micro-batch, in one C++ call)
+            return loss
         pairs = self._collect_grads()
         if not pairs and not self.in_backward and self.accumulation_steps > 1:  # (k=1: a no-op, as torch's)
             self._warn_no_gradient(weight)
-        win.add_micro_batch(self, pairs, weight, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        win.add_micro_batch(self, pairs, weight, grad_scale, found_inf)
         if self.accumulation_steps > 1:
             for p, _ in pairs:
                 p.grad = None
@@ -320,7 +323,9 @@ class AccumulatingOptimizer:
         ``loss_fn(batch)`` returns its loss (a mean over what it holds), or ``(loss, weight)``;
         the weight defaults to ``weight=``, else the batch's size along dim 0. Plain mode: forward,
         backward and ``step(weight=)`` (``.grad`` is the run's own: emptied first). in_backward:
-        ``opt.backward(loss, weight=)`` (mode A: summed, as its loop does; ``step()`` stays yours).
+        ``opt.backward(loss, weight=)`` (mode A: summed, as its loop does; ``step()`` stays yours; a split
+        part's loss is scaled by its share of the samples, so ``loss_fn`` must return a mean over the
+        samples it is given times a constant, never a value that grows with their number).
 
         When a forward or backward pass runs out of memory (``torch.OutOfMemoryError``, the CPU
         allocator's error), its contribution is taken out, memory is freed, and the micro-batch

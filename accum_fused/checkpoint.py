@@ -343,6 +343,7 @@ def restore_window(opt, accumulation: dict[str, Any] | None, by_id: dict) -> Non
     norm, found = accumulation["last_grad_norm"], accumulation["found_inf"]
     win.last_grad_norm = None if norm is None else norm.to(device)
     win.found_inf = None if found is None else found.to(device, copy=True)
+    win.changed()  # (the step table does not follow what is loaded here)
     for param_id, saved in accumulation["buffers"].items():
         p = by_id[param_id]
         win.buffer(p).copy_(saved)

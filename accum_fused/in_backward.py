@@ -68,6 +68,12 @@ class BackwardPass:
         # Parameters whose gradient of this pass is in the window (added, started or folded):
         # what a failed run() pass keeps (recovery.py).
         self.completed: set[Tensor] = set()
+        # The extension's hooks' plain additions (no norm), by slot (FastPath.take_records): seen
+        # and completed too, kept as ints so that a pass costs no Python work per such parameter.
+        self.added_slots: set[int] = set()
+
+    def any_seen(self) -> bool:
+        return bool(self.seen or self.added_slots)
 
     def failed(self) -> bool:
         return self.ender is not None and self.ender() is None
@@ -137,6 +143,10 @@ class FastPath:
         self._hook_class = extension.FastHook
         self.params: list[Tensor] = []  # by slot
         self.slot_of: dict[Tensor, int] = {}
+        # The last pass's arm lists that did not fold, and what they were computed from: a pass
+        # that finds the window as that one did (the middle micro-batches of a window) reuses
+        # them instead of a Python loop over the parameters.
+        self._armed: tuple | None = None
 
     @staticmethod
     def for_optimizer(opt) -> FastPath | None:
@@ -161,8 +171,19 @@ class FastPath:
         from .backends import cpp_backend
         fold = _FoldArgs() if mb.fold else None
         may_adopt = mb.weight == 1.0 and win.sync is None  # (as _can_adopt)
-        slots, modes, buffers = [], [], []
         complete = win.complete  # (their gradients go to take_grad, which drops them)
+        # What the lists below depend on, short of a loop over the parameters: the slots, the
+        # parameter taken first (not armed), which buffers exist and are live (``win.version``
+        # moves with every buffer allocated, adopted or replaced and with every new window; the
+        # live set only grows within a window, so its size tells), adoption. Complete parameters
+        # and folds are not cached.
+        key = (len(self.params), id(first), win.version, len(win.live), may_adopt, id(win.buffers))
+        if fold is None and not complete and self._armed is not None and self._armed[0] == key:
+            _, slots, modes, buffers = self._armed
+            self.state.arm(mb.weight, mb.weight_sum if mb.norms is not None else None, mb.weight_sum, slots, modes,
+                           buffers, [], [], [], [], [], [], [])
+            return
+        slots, modes, buffers = [], [], []
         for slot, p in enumerate(self.params):
             if p is first or not _is_plain(p) or opt._backend_for(p) is not cpp_backend or p in complete:
                 continue
@@ -180,6 +201,8 @@ class FastPath:
                 slots.append(slot)
                 modes.append(mode)
                 buffers.append(buf)
+        if fold is None and not complete:
+            self._armed = (key, slots, modes, buffers)
         if not slots:
             return
         fold = fold or _FoldArgs()
@@ -196,6 +219,10 @@ class FastPath:
             self.state.disarm()
         win = opt._window
         for slot, mode, norm, grad in zip(slots, modes, norms, adopted):
+            if mode == _ADD and norm is None:  # (the common record: no Python object per parameter)
+                mb.added_slots.add(slot)
+                mb.added_to_live = True
+                continue
             p = self.params[slot]
             mb.seen.add(p)
             mb.completed.add(p)
@@ -446,8 +473,9 @@ def settle_failed_pass(opt) -> None:
     if win.transaction:
         # run() (recovery.py): what the pass added, it added whole; its retry skips those.
         win.complete |= mb.completed
+        win.complete.update(opt._fast_path.params[slot] for slot in mb.added_slots)
         return
-    if opt.accumulation_steps == 1 or not mb.seen:
+    if opt.accumulation_steps == 1 or not mb.any_seen():
         return
     if mb.done or mb.added_to_live:
         lost = win.micro_step
@@ -459,6 +487,7 @@ def settle_failed_pass(opt) -> None:
             f"out; the window was discarded with the {lost} micro-batch(es) it held before, and the next "
             "micro-batch starts a new window", RuntimeWarning, stacklevel=3)
         return
+    win.changed()  # (live shrinks: the step table and the extension's arm lists must not trust its size)
     for p in mb.started:
         win.live.discard(p)
         if p in win.adopted:
@@ -518,7 +547,7 @@ def _join_pass(opt, p: Tensor) -> tuple[BackwardPass, bool] | None:
             opt._fast_path.arm(opt, mb, p)
     elif opt._fast_path is not None:
         opt._fast_path.take_records(opt, mb)
-    again = p in mb.seen
+    again = p in mb.seen or bool(mb.added_slots and opt._fast_path.slot_of.get(p) in mb.added_slots)
     if again and (p in mb.done or (mb.closing and win.sync is not None and not win.transaction)):
         # (a parameter used both inside and outside a reentrant checkpoint gets two)
         raise RuntimeError(

@@ -32,6 +32,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import numbers
 import warnings
 from collections.abc import Mapping
 from typing import Callable
@@ -65,12 +66,35 @@ class RecoveryState:
     doubles (None: it stays). ``retries``: passes that ran out of memory and were retried."""
 
     def __init__(self) -> None:
-        self.max_part_size: int | None = None
-        self.grow_back_after: int | None = None
+        self._max_part_size: int | None = None
+        self._grow_back_after: int | None = None
         self.retries = 0
         self._clean_windows = 0
         self._updates_seen = 0
         self._failed_in_window = False
+
+    @property
+    def max_part_size(self) -> int | None:
+        return self._max_part_size
+
+    @max_part_size.setter
+    def max_part_size(self, value) -> None:
+        self._max_part_size = _check_count("max_part_size", value)
+
+    @property
+    def grow_back_after(self) -> int | None:
+        return self._grow_back_after
+
+    @grow_back_after.setter
+    def grow_back_after(self, value) -> None:
+        self._grow_back_after = _check_count("grow_back_after", value)
+
+    def __setstate__(self, state: dict) -> None:
+        # Pickled before these were validated properties: plain attributes.
+        for key in ("max_part_size", "grow_back_after"):
+            if key in state:
+                state["_" + key] = state.pop(key)
+        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return (f"RecoveryState(max_part_size={self.max_part_size}, grow_back_after={self.grow_back_after}, "
@@ -99,6 +123,17 @@ class RecoveryState:
             self._clean_windows = 0
             log.info("accum_fused: %d windows without running out of memory: parts of up to %d samples from now on",
                      self.grow_back_after, self.max_part_size)
+
+
+def _check_count(name: str, value) -> int | None:
+    """None, or an int >= 1 (a part of 0 samples, or growing back after 0 windows, means nothing)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"opt.recovery.{name} must be an int >= 1 or None, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"opt.recovery.{name} must be >= 1 or None, got {value}")
+    return int(value)
 
 
 # ------------------------------------------------------------------------------------ batches

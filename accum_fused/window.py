@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from . import ddp
+from .backends._kernel_args import device_scalar
 from .layout import conform_state, kernel_view, state_dtype
 
 # Weights are kept in units of 2**shift, shift a multiple of _WEIGHT_BAND, so that any finite
@@ -113,11 +114,27 @@ class Window:
         self.transaction = False
         self.part_serial = 0  # bumped as each part runs: accum_fused.nn's records tell parts apart by it
         self.closings = 0  # bumped as close() begins: a failure after it was the update's, not a pass's
+        # Plain mode's micro-batches in one extension call (StepTable, csrc/step_table.cpp). The
+        # table mirrors ``buffers`` and ``live`` for every parameter; ``version`` is bumped by every
+        # change to them it does not mirror (``changed``), which makes it stale. ``table_blocked``:
+        # it was built, or could not take a micro-batch, in this window (at most one build per window).
+        self.step_table: StepTable | None = None
+        self.table_blocked = False
+        self.version = 0
+
+    def __getstate__(self) -> dict:
+        # (the extension's table is not picklable; a copy builds its own)
+        return {**self.__dict__, "step_table": None, "table_blocked": False}
 
     def __setstate__(self, state: dict) -> None:
-        # An optimizer pickled before out-of-memory recovery has a window without its fields.
-        self.__dict__.update(parts_left=0, complete=set(), transaction=False, part_serial=0, closings=0)
+        # An optimizer pickled before out-of-memory recovery (or the step table) has a window without its fields.
+        self.__dict__.update(parts_left=0, complete=set(), transaction=False, part_serial=0, closings=0,
+                             step_table=None, table_blocked=False, version=0)
         self.__dict__.update(state)
+
+    def changed(self) -> None:
+        """``buffers`` or ``live`` changed in a way the step table does not mirror: it is stale."""
+        self.version += 1
 
     def last_part(self) -> bool:
         """Whether the micro-batch being added ends with this part (see ``parts_left``)."""
@@ -137,6 +154,7 @@ class Window:
         buf = self.buffers.get(p)
         if buf is None:
             buf = self.buffers[p] = torch.empty_like(p, dtype=state_dtype(p), memory_format=torch.preserve_format)
+            self.changed()
         return buf
 
     def enter_weight(self, weight: float) -> float:
@@ -197,6 +215,54 @@ class Window:
             norms = self.accumulate(pairs, grad_weight, grad_scale, opt._backend_for,
                                     norm_weight_sum=self.weight_sum if local_norms else None)
             self.close(opt, (), grad_weight, None, norms)
+
+    def take_with_table(self, opt, weight: float, grad_scale: Tensor | None, found_inf: Tensor | None) -> bool:
+        """step() in plain mode, on a micro-batch that does not close the window: what
+        add_micro_batch does, in one extension call (StepTable) instead of a Python loop over the
+        parameters. False, with nothing changed, where the table cannot take it exactly so
+        (add_micro_batch then does, and is the spec this is tested against)."""
+        if opt.in_backward or self.shards is not None or self.parts_left or self.closes_with(opt):
+            return False
+        table = self._table_for(opt)
+        if table is None:
+            return False
+        present = table.cpp.check([group["params"] for group in opt.param_groups])
+        if present <= 0:  # (none: add_micro_batch warns; -1: something it must check, conform or raise)
+            if present < 0:
+                self.step_table = None
+            return False
+        if found_inf is not None:
+            found = found_inf.detach().float()
+            found_inf = found if self.found_inf is None else self.found_inf + found
+        else:
+            found_inf = self.found_inf
+        weight = self.enter_weight(weight)
+        self.pending_weight = None
+        self.backward_done = False
+        self.micro_step += 1
+        self.weight_sum += weight
+        self.found_inf = found_inf
+        newly_live = table.cpp.take(weight, device_scalar(grad_scale, table.device), opt.accumulation_steps > 1)
+        if newly_live:
+            if not self.live and len(newly_live) == len(table.buffered):
+                self.live.update(table.buffered)  # (set to set: no tensor hashed again)
+            else:
+                self.live.update(table.params[i] for i in newly_live)
+        self.updated = False
+        return True
+
+    def _table_for(self, opt) -> StepTable | None:
+        """The step table, true to ``buffers`` and ``live``; built (once per window at most)
+        when there is none or it went stale; None where plain mode's loop stays Python's."""
+        table = self.step_table
+        if table is not None and table.version == self.version and table.cpp.live_count == len(self.live):
+            return table
+        self.step_table = None
+        if self.table_blocked or opt.backend not in ("auto", "cpp"):
+            return None
+        self.table_blocked = True
+        self.step_table = StepTable.build(opt, self)
+        return self.step_table
 
     def take_pending_weight(self) -> float:
         """The weight given for the next micro-batch before its gradients (else 1), consumed."""
@@ -274,6 +340,9 @@ class Window:
             if call_norms is not None:
                 norms.update(zip([p for p, _ in items], call_norms.unbind()))
         self.live.update(p for p, _ in pairs)
+        table = self.step_table
+        if table is not None and table.version == self.version:
+            table.cpp.mark_live([p for p, _ in pairs])
         return norms
 
     def accumulate_one(self, p: Tensor, grad: Tensor, weight: float, backend,
@@ -309,6 +378,7 @@ class Window:
         self.buffers = sync.buffers
         self.adopted.clear()
         self.sync = sync
+        self.changed()
 
     def mark_written(self, p: Tensor) -> None:
         """The extension's hooks overwrote ``p``'s stale buffer with its first gradient of the
@@ -320,6 +390,7 @@ class Window:
         self.buffers[p] = grad
         self.adopted.add(p)
         self.live.add(p)
+        self.changed()
 
     def conform(self, opt, params, closing: bool) -> None:
         """Validate before anything changes. A parameter whose dtype or device changed after
@@ -335,6 +406,7 @@ class Window:
                         "was built with a process_group, whose buffers are fixed: convert the model before "
                         "building the optimizer"
                     )
+                self.changed()
                 if p not in self.live:
                     del self.buffers[p]  # stale: the next gradient allocates a fresh one
                 elif buf.shape != p.shape:
@@ -371,9 +443,10 @@ class Window:
             closed = True
         finally:
             self.discard()
+            # (set before the listeners run: one that raises must not leave the last window's value)
+            self.updated = closed and applied
             ddp.window_closed(opt)
             _tell_listeners(opt, closed, applied)  # (an update that raised: the window is lost)
-        self.updated = applied
         return applied
 
     def close_folded(self, opt, done: set, weight: float, weight_sum: float) -> None:
@@ -396,10 +469,20 @@ class Window:
 
     def discard(self) -> None:
         """Empty the window (counters of past updates stay; buffers stay allocated, stale)."""
+        table = self.step_table
+        current = table is not None and table.version == self.version and not self.adopted
+        # A new window: what was cached from this one's live set (in_backward.FastPath's arm lists)
+        # does not carry over. The step table follows (no live flag), unless it was stale already.
+        self.changed()
         for p in self.adopted:
             del self.buffers[p]
         self.adopted.clear()
         self.live.clear()
+        if table is not None:
+            table.cpp.reset_live()
+            if current:
+                table.version = self.version
+        self.table_blocked = False
         self.late_weights.clear()
         self.grads_held = False
         self.micro_step, self.weight_sum, self.weight_shift, self.found_inf = 0, 0.0, 0, None
@@ -460,6 +543,42 @@ class Window:
         total_norm = torch.linalg.vector_norm(torch.stack([norms[p].to(live[0].device) for p in live]))
         self.last_grad_norm = total_norm
         return torch.clamp(opt.max_grad_norm / (total_norm + 1e-6), max=1.0)
+
+
+class StepTable:
+    """The extension's table of plain mode's micro-batches (csrc/step_table.cpp: every
+    parameter of the optimizer in order, its buffer, whether it is live), with what the window
+    needs back: the parameters by index, the set of those with buffers, the device, and the
+    window's ``version`` it is true to."""
+
+    def __init__(self, cpp, params: list[Tensor], buffered: set, device: torch.device, version: int) -> None:
+        self.cpp, self.params, self.buffered, self.device, self.version = cpp, params, buffered, device, version
+
+    @staticmethod
+    def build(opt, win: Window) -> StepTable | None:
+        """None where the table cannot stand in for add_micro_batch: parameters on several
+        devices or not plain tensors (DTensor, complex), a parameter the cpp backend does not
+        run, fused=True groups (torch's device checks), a live buffer that must follow its
+        parameter first (Window.conform)."""
+        from . import backends
+        cpp = backends._load("cpp")
+        params = opt._all_params()
+        if cpp is None or not params or any(group.get("fused") for group in opt.param_groups):
+            return None
+        device = params[0].device
+        buffers = []
+        for p in params:
+            if p.device != device or kernel_view(p) is not p or opt._backend_for(p) is not cpp:
+                return None
+            buf = win.buffers.get(p)
+            if buf is not None and (buf.dtype != state_dtype(p) or buf.device != p.device or buf.shape != p.shape):
+                if p in win.live:
+                    return None
+                buf = None
+            buffers.append(buf)
+        live = [p in win.live for p in params]
+        table = cpp._C.StepTable(params, buffers, live)
+        return StepTable(table, params, {p for p, buf in zip(params, buffers) if buf is not None}, device, win.version)
 
 
 def window_listeners(opt) -> WindowListeners:

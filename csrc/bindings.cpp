@@ -430,4 +430,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rounding_keys") = std::vector<int64_t>{}, py::arg("compensations") = TensorList{},
         py::call_guard<py::gil_scoped_release>());
   register_hooks(m);
+  register_step_table(m);
 }

@@ -36,5 +36,6 @@ void adam_update_op(const std::vector<at::Tensor>& params, const std::vector<at:
 bool same_memory_layout(const at::Tensor& t, const at::Tensor& buffer);
 
 void register_hooks(pybind11::module& m);
+void register_step_table(pybind11::module& m);  // step_table.cpp
 
 }  // namespace accum_fused

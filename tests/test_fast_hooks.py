@@ -194,3 +194,45 @@ def test_dtype_changes_between_passes(monkeypatch):
         opt.close()
     for a, b in zip(*results):
         assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["A", "B"])
+def test_parameters_that_join_passes_at_different_times(monkeypatch, mode):
+    """Branches used by some passes only, in a pattern that differs per window: the live set grows
+    at different passes in each window, and the arm lists a pass reuses from the one before it
+    (FastPath._armed) must be those the window's state would give. Bit-equal to Python's hooks,
+    with the extension taking most gradients."""
+    def run(python_only):
+        if python_only:
+            _python_hooks_only(monkeypatch)
+        torch.manual_seed(0)
+        body, left, right = nn.Linear(7, 3), nn.Linear(7, 3), nn.Linear(7, 3)
+        params = [*body.parameters(), *left.parameters(), *right.parameters()]
+        opt = _optimizer("AdamW", params, accumulation_steps=K if mode == "B" else 1)
+        gen = torch.Generator().manual_seed(5)
+        for window in range(4):
+            for j in range(K):
+                x = torch.randn(3, 7, generator=gen)
+                out = body(x)
+                if (window + j) % 3 == 0:
+                    out = out + left(x)
+                if j >= window % K:
+                    out = out + right(x)
+                loss = out.square().mean()
+                if mode == "B":
+                    opt.backward(loss, weight=float(1 + (j + window) % 2))
+                else:
+                    loss.backward()
+            if mode == "A":
+                opt.step()
+                opt.zero_grad()
+        assert opt.update_count == 4
+        taken = 0 if opt._fast_path is None else opt._fast_path.state.taken
+        opt.close()
+        state = [t for p in params for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
+        return [p.detach().clone() for p in params] + state, taken
+    fast, taken = run(False)
+    slow, _ = run(True)
+    assert taken > 4 * K * 2
+    for a, b in zip(fast, slow):
+        assert torch.equal(a, b)

@@ -339,6 +339,14 @@ def test_misuse_is_refused(backend):
         opt.run(_data()[0], lambda b: model(b[0]))
     with pytest.raises(TypeError, match="callable"):
         opt.run(_data()[0], "loss")
+    for name, bad, error in [("max_part_size", 0, ValueError), ("max_part_size", -2, ValueError),
+                             ("max_part_size", 2.5, TypeError), ("grow_back_after", 0, ValueError),
+                             ("grow_back_after", True, TypeError)]:
+        with pytest.raises(error, match=f"opt.recovery.{name}"):
+            setattr(opt.recovery, name, bad)
+    assert opt.recovery.max_part_size is None and opt.recovery.grow_back_after is None  # unchanged
+    opt.recovery.max_part_size, opt.recovery.grow_back_after = 3, 2
+    assert copy.deepcopy(opt.recovery).max_part_size == 3
     opt.close()
     with pytest.raises(RuntimeError, match="closed"):
         opt.run(_data()[0], _loss_fn(model))

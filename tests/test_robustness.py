@@ -453,3 +453,40 @@ def test_set_micro_batch_weight_validates_and_is_used_once():
     loss_of(model, make_batches([2])[0]).backward()
     opt.step()
     assert opt._window.weight_sum == 6.0  # 5, then the default 1
+
+
+def test_a_close_that_raises_does_not_leave_the_last_windows_updated():
+    """Window.close sets ``updated`` before it tells the listeners: an update or a listener that
+    raises must not leave the previous window's True behind (with k=1 no micro-batch between two
+    closes resets it)."""
+    model = nn.Linear(3, 2)
+    opt = accum_fused.SGD(model.parameters(), lr=0.1)
+
+    class Raises:
+        def window_closed(self, opt, applied):
+            raise RuntimeError("listener failed")
+
+    def micro_batch(x=1.0):
+        model(torch.full((1, 3), x)).sum().backward()
+
+    micro_batch()
+    opt.step()
+    assert opt.updated
+    opt._window_listeners.append(Raises())
+    micro_batch(float("nan"))
+    opt.zero_grad()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("inf"))
+    opt.found_inf = torch.ones(())  # as GradScaler hands it: this window is skipped, not applied
+    with pytest.raises(RuntimeError, match="listener failed"):
+        opt.step()
+    del opt.found_inf
+    assert not opt.updated
+    opt._window_listeners.clear()
+    micro_batch()
+    opt.step()
+    assert opt.updated
+    opt._update = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("update failed"))
+    with pytest.raises(RuntimeError, match="update failed"):
+        opt.step()
+    assert not opt.updated

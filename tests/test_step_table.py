@@ -1,0 +1,222 @@
+"""Plain mode's step table (csrc/step_table.cpp, window.StepTable) against the Python path it
+stands in for (Window.add_micro_batch: the spec).
+
+Every case trains the same model twice from the same start, once as it runs (the table takes
+the micro-batches that do not close a window) and once with the table switched off (every
+micro-batch through add_micro_batch), and requires bit-equal parameters, optimizer state and
+window: the table calls the same kernels with the same arguments. Each case also counts the
+micro-batches the table took, so that none passes without it. The edges -- a micro-batch the
+table must not take (a changed parameter, a sparse or misfit gradient, a new param group, a
+replaced parameter, a load mid-window) -- change nothing in the table and go through Python,
+which conforms, raises or warns as it always did.
+"""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import accum_fused
+from accum_fused import window as window_module
+
+from _helpers import built_without_extension
+
+pytestmark = pytest.mark.skipif(built_without_extension(), reason="the step table is the extension's")
+
+
+class Counted:
+    """Counts the micro-batches the table took; ``off`` switches it off (the spec run)."""
+
+    def __init__(self, monkeypatch, off: bool) -> None:
+        self.taken = 0
+        original = window_module.Window.take_with_table
+
+        def take_with_table(win, *args):
+            if off:
+                return False
+            taken = original(win, *args)
+            self.taken += taken
+            return taken
+
+        monkeypatch.setattr(window_module.Window, "take_with_table", take_with_table)
+
+
+class Net(nn.Module):
+    """Two branches: ``side`` gets a gradient only in micro-batches that use it."""
+
+    def __init__(self, dtype=torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+        self.side = nn.Linear(5, 3)
+        self.to(dtype)
+
+    def forward(self, x, use_side=True):
+        out = self.body(x)
+        return out + self.side(x) if use_side else out
+
+
+def _batches(n, dtype=torch.float32, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(2 + i % 3, 5, generator=gen).to(dtype), torch.randn(2 + i % 3, 3, generator=gen).to(dtype))
+            for i in range(n)]
+
+
+def _micro_batch(opt, model, i, batch, *, side_every=1, weight=True, scaler=None):
+    x, y = batch
+    loss = ((model(x, use_side=i % side_every == 0) - y) ** 2).mean()
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(opt, weight=float(len(x)))
+        scaler.update()
+    else:
+        loss.backward()
+        opt.step(weight=float(len(x)) if weight else None)
+    opt.zero_grad()
+
+
+def _state(opt, model):
+    win = opt._window
+    return {"params": [p.detach().clone() for p in model.parameters()],
+            "state": copy.deepcopy({i: s for i, s in enumerate(opt.state.values())}),
+            "window": (win.micro_step, win.weight_sum, win.weight_shift, win.update_count, len(win.live)),
+            "buffers": [win.buffers[p].clone() for p in model.parameters() if p in win.live]}
+
+
+def _assert_same(a, b):
+    assert a["window"] == b["window"]
+    for x, y in zip(a["params"] + a["buffers"], b["params"] + b["buffers"]):
+        assert torch.equal(x, y)
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        for key, value in a["state"][i].items():
+            assert torch.equal(value, b["state"][i][key]), key
+
+
+CASES = {
+    "adamw": dict(make=lambda ps: accum_fused.AdamW(ps, lr=1e-2, weight_decay=0.1, accumulation_steps=4)),
+    "adamw_clip": dict(make=lambda ps: accum_fused.AdamW(ps, lr=1e-2, accumulation_steps=4, max_grad_norm=0.5)),
+    "adam_amsgrad_k3": dict(make=lambda ps: accum_fused.Adam(ps, lr=1e-2, amsgrad=True, accumulation_steps=3)),
+    "sgd_momentum": dict(make=lambda ps: accum_fused.SGD(ps, lr=0.1, momentum=0.9, accumulation_steps=4)),
+    "unweighted": dict(make=lambda ps: accum_fused.AdamW(ps, lr=1e-2, accumulation_steps=4), weight=False),
+    "some_params_without_grad": dict(make=lambda ps: accum_fused.AdamW(ps, lr=1e-2, accumulation_steps=4),
+                                     side_every=3),
+    "bf16": dict(make=lambda ps: accum_fused.AdamW(ps, lr=1e-2, accumulation_steps=4), dtype=torch.bfloat16),
+    "fp16": dict(make=lambda ps: accum_fused.SGD(ps, lr=0.1, accumulation_steps=4), dtype=torch.float16),
+    "wrapper": dict(make=lambda ps: accum_fused.GradientAccumulator(torch.optim.AdamW(ps, lr=1e-2),
+                                                                   accumulation_steps=4, backend="cpp")),
+    "grad_scaler": dict(make=lambda ps: accum_fused.AdamW(ps, lr=1e-2, accumulation_steps=4), scaler=True),
+}
+
+
+def _train(monkeypatch, case, off, micro_batches=23):
+    spec = CASES[case]
+    dtype = spec.get("dtype", torch.float32)
+    counted = Counted(monkeypatch, off)
+    model = Net(dtype)
+    opt = spec["make"](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=3) if spec.get("scaler") else None
+    for i, batch in enumerate(_batches(micro_batches, dtype)):
+        _micro_batch(opt, model, i, batch, side_every=spec.get("side_every", 1), weight=spec.get("weight", True),
+                     scaler=scaler)
+    mid = _state(opt, model)  # (23 = 5 windows of 4 + 3: an open window)
+    opt.flush()
+    return counted.taken, mid, _state(opt, model)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_table_takes_micro_batches_as_the_python_path_does(monkeypatch, case):
+    taken, mid, end = _train(monkeypatch, case, off=False)
+    with monkeypatch.context() as m:
+        untaken, spec_mid, spec_end = _train(m, case, off=True)
+    assert untaken == 0
+    # Windows 2.. take every micro-batch but the closing one (the first window allocates buffers).
+    assert taken >= 8, taken
+    _assert_same(mid, spec_mid)
+    _assert_same(end, spec_end)
+
+
+def _opt_with_table(monkeypatch):
+    counted = Counted(monkeypatch, off=False)
+    model = Net()
+    opt = accum_fused.AdamW(model.parameters(), lr=1e-2, accumulation_steps=4)
+    batches = _batches(12)
+    for i in range(5):  # a whole window (buffers allocated), then one micro-batch into the next
+        _micro_batch(opt, model, i, batches[i])
+    return counted, model, opt, batches
+
+
+def test_a_parameter_changed_mid_window_goes_through_python(monkeypatch):
+    counted, model, opt, batches = _opt_with_table(monkeypatch)
+    taken = counted.taken
+    model.double()  # the buffers follow in Python (Window.conform), as without the table
+    _micro_batch(opt, model, 5, tuple(t.double() for t in batches[5]))
+    assert counted.taken == taken
+    assert all(opt._window.buffers[p].dtype == torch.float64 for p in model.parameters())
+    with pytest.raises(ValueError, match="changed shape"):
+        model.side.bias.data = torch.zeros(4, dtype=torch.float64)
+        model.side.bias.grad = torch.zeros(4, dtype=torch.float64)
+        opt.step()
+
+
+def test_a_sparse_or_misfit_gradient_is_refused_by_python_and_nothing_changes(monkeypatch):
+    counted, model, opt, _ = _opt_with_table(monkeypatch)
+    before = _state(opt, model)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    model.side.weight.grad = model.side.weight.grad.to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    _assert_same(_state(opt, model), before)
+    # A gradient in another layout than its buffer (a transposed one): Python re-lays it out.
+    model.side.weight.grad = torch.ones(5, 3).t()
+    taken = counted.taken
+    opt.step()
+    assert counted.taken == taken and opt.micro_step == 2
+
+
+def test_a_new_param_group_and_a_replaced_parameter_are_seen(monkeypatch):
+    counted, model, opt, batches = _opt_with_table(monkeypatch)
+    extra = nn.Parameter(torch.ones(3))
+    opt.add_param_group({"params": [extra]})
+    taken = counted.taken
+    loss = model(batches[5][0]).sum() + (extra * 2).sum()
+    loss.backward()
+    opt.step()
+    assert counted.taken == taken and extra in opt._window.live  # through Python: the list changed
+    # A parameter replaced inside a group's list: its gradient must not be lost.
+    replacement = nn.Parameter(model.side.bias.detach().clone())
+    group = opt.param_groups[0]
+    group["params"][next(i for i, q in enumerate(group["params"]) if q is model.side.bias)] = replacement
+    model.body(batches[6][0]).sum().backward()
+    replacement.grad = torch.ones(3)
+    opt.step()
+    assert replacement in opt._window.live
+
+
+def test_loading_a_mid_window_state_dict_and_copies_keep_the_window(monkeypatch):
+    counted, model, opt, batches = _opt_with_table(monkeypatch)
+    _micro_batch(opt, model, 5, batches[5])
+    saved = copy.deepcopy(opt.state_dict())
+    twin_model = copy.deepcopy(model)
+    twin = accum_fused.AdamW(twin_model.parameters(), lr=1e-2, accumulation_steps=4)
+    twin.load_state_dict(saved)
+    copies = [copy.deepcopy((model, opt)), pickle.loads(pickle.dumps((model, opt)))]
+    for i in range(6, 12):
+        for m, o in [(model, opt), (twin_model, twin)] + copies:
+            _micro_batch(o, m, i, batches[i])
+    for m, o in [(twin_model, twin)] + copies:
+        assert o._window.micro_step == opt._window.micro_step == 0 and o.update_count == opt.update_count == 3
+        for p, q in zip(model.parameters(), m.parameters()):
+            assert torch.equal(p, q)
+    assert counted.taken >= 4 + 3 * 4  # the loaded and copied optimizers took theirs through the table too
+
+
+def test_no_gradient_still_warns(monkeypatch):
+    counted, model, opt, _ = _opt_with_table(monkeypatch)
+    with pytest.warns(UserWarning, match="found no gradient"):
+        opt.step()
+    assert opt.micro_step == 2
