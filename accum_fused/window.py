@@ -180,9 +180,19 @@ class Window:
         window's last micro-batch, close the window. Validates before anything changes."""
         in_loss = self.backward_done and self.shards is not None
         closing = self.closes_with(opt)
-        # The buffers this call writes, and at closing every buffer the update reads.
-        params = [p for p, _ in pairs]
-        self.conform(opt, params + list(self.live.difference(params)) if closing else params, closing)
+        # The buffers this call writes, and at closing every buffer the update reads, fit their
+        # parameters (a current step table vouches for all of them in one call), and at closing
+        # the optimizer state too (once per table: what changes it makes the table stale).
+        table = self.step_table
+        if table is not None and self._table_current(table) and table.cpp.conforms():
+            if closing and not table.state_conformed:
+                params = [p for p, _ in pairs]
+                conform_state(opt.state, params + list(self.live.difference(params)), opt._param_name,
+                              opt._state_dtype_of)
+                table.state_conformed = True
+        else:
+            params = [p for p, _ in pairs]
+            self.conform(opt, params + list(self.live.difference(params)) if closing else params, closing)
         if found_inf is not None:
             # Sum on the device: no host synchronisation per micro-batch.
             found = found_inf.detach().float()
@@ -255,7 +265,7 @@ class Window:
         """The step table, true to ``buffers`` and ``live``; built (once per window at most)
         when there is none or it went stale; None where plain mode's loop stays Python's."""
         table = self.step_table
-        if table is not None and table.version == self.version and table.cpp.live_count == len(self.live):
+        if table is not None and self._table_current(table):
             return table
         self.step_table = None
         if self.table_blocked or opt.backend not in ("auto", "cpp"):
@@ -263,6 +273,9 @@ class Window:
         self.table_blocked = True
         self.step_table = StepTable.build(opt, self)
         return self.step_table
+
+    def _table_current(self, table: StepTable) -> bool:
+        return table.version == self.version and table.cpp.live_count == len(self.live)
 
     def take_pending_weight(self) -> float:
         """The weight given for the next micro-batch before its gradients (else 1), consumed."""
@@ -553,6 +566,7 @@ class StepTable:
 
     def __init__(self, cpp, params: list[Tensor], buffered: set, device: torch.device, version: int) -> None:
         self.cpp, self.params, self.buffered, self.device, self.version = cpp, params, buffered, device, version
+        self.state_conformed = False  # conform_state ran since it was built (what moves state makes it stale)
 
     @staticmethod
     def build(opt, win: Window) -> StepTable | None:

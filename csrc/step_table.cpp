@@ -20,6 +20,7 @@
 //     check(param_lists) -> n              gradients present; -1: not the table's to take
 //     take(weight, grad_scale, clear) -> newly live indices   (right after a check > 0)
 //     mark_live(params), reset_live(), live_count
+//     conforms()                           every buffer still fits its parameter (Window.conform's check)
 #include <torch/extension.h>
 
 #include <optional>
@@ -168,6 +169,19 @@ struct StepTable {
     }
   }
 
+  // Whether every buffer still fits its parameter as when the table was built (Window.conform
+  // would change nothing): same parameter dtype, device and shape.
+  bool conforms() const {
+    for (size_t i = 0; i < params.size(); ++i) {
+      const Tensor& b = buffers[i];
+      if (b.defined() && (params[i].scalar_type() != param_dtypes[i] || params[i].device() != b.device() ||
+                          params[i].sizes() != b.sizes())) {
+        return false;
+      }
+    }
+    return true;
+  }
+
   void reset_live() {
     std::fill(live.begin(), live.end(), 0);
     live_count = 0;
@@ -184,6 +198,7 @@ void register_step_table(py::module& m) {
       .def("take", &StepTable::take, py::arg("weight"), py::arg("grad_scale"), py::arg("clear"))
       .def("mark_live", &StepTable::mark_live, py::arg("params"))
       .def("reset_live", &StepTable::reset_live)
+      .def("conforms", &StepTable::conforms)
       .def_readonly("live_count", &StepTable::live_count);
 }
 
