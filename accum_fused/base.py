@@ -452,14 +452,14 @@ class AccumulatingOptimizer:
         and how the last micro-batch folds in."""
         win = self._window
         for group in self.param_groups:
+            # (a parameter without a gradient all window is left alone, as torch leaves it)
+            params = [p for p in group["params"] if p in win.live or p in last_grads]
             calls = defaultdict(list)
-            for p in group["params"]:
+            for p, call_key in zip(params, self._call_keys(params)):
                 grad = last_grads.get(p)
-                if grad is None and p not in win.live:
-                    continue  # no gradient all window: left alone, as torch leaves it
                 win.buffer(p)
                 fold = None if grad is None else (grad.dtype, p not in win.live)
-                calls[(p.device, p.dtype, self._call_key(p), fold)].append(p)
+                calls[(p.device, p.dtype, call_key, fold)].append(p)
             for (_, _, _, fold), params in calls.items():
                 last = {}
                 if fold is not None:
@@ -469,9 +469,10 @@ class AccumulatingOptimizer:
                              [kernel_view(win.buffers[p]) for p in params],
                              weight_sum=weight_sum, clip_coef=clip_coef, **last)
 
-    def _call_key(self, p: Tensor):
-        """Extra key for parameters that cannot share one backend call (none by default)."""
-        return None
+    def _call_keys(self, params: list[Tensor]) -> list:
+        """Per parameter, an extra key for parameters that cannot share one backend call (none by
+        default)."""
+        return [None] * len(params)
 
     def _update(self, backend, group, params, buffers, **window) -> None:
         raise NotImplementedError

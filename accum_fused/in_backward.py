@@ -143,9 +143,9 @@ class FastPath:
         self._hook_class = extension.FastHook
         self.params: list[Tensor] = []  # by slot
         self.slot_of: dict[Tensor, int] = {}
-        # The last pass's arm lists that did not fold, and what they were computed from: a pass
-        # that finds the window as that one did (the middle micro-batches of a window) reuses
-        # them instead of a Python loop over the parameters.
+        # What the last arm that folded nothing was computed from (the extension keeps its lists):
+        # a pass that finds the window as that one did (the middle micro-batches of a window)
+        # arms them again (``rearm``) instead of a Python loop over the parameters.
         self._armed: tuple | None = None
 
     @staticmethod
@@ -178,11 +178,10 @@ class FastPath:
         # live set only grows within a window, so its size tells), adoption. Complete parameters
         # and folds are not cached.
         key = (len(self.params), id(first), win.version, len(win.live), may_adopt, id(win.buffers))
-        if fold is None and not complete and self._armed is not None and self._armed[0] == key:
-            _, slots, modes, buffers = self._armed
-            self.state.arm(mb.weight, mb.weight_sum if mb.norms is not None else None, mb.weight_sum, slots, modes,
-                           buffers, [], [], [], [], [], [], [])
+        if fold is None and not complete and self._armed == key:
+            self.state.rearm(mb.weight, mb.weight_sum if mb.norms is not None else None, mb.weight_sum)
             return
+        self._armed = None
         slots, modes, buffers = [], [], []
         for slot, p in enumerate(self.params):
             if p is first or not _is_plain(p) or opt._backend_for(p) is not cpp_backend or p in complete:
@@ -201,28 +200,27 @@ class FastPath:
                 slots.append(slot)
                 modes.append(mode)
                 buffers.append(buf)
-        if fold is None and not complete:
-            self._armed = (key, slots, modes, buffers)
         if not slots:
             return
         fold = fold or _FoldArgs()
         self.state.arm(mb.weight, mb.weight_sum if mb.norms is not None else None, mb.weight_sum, slots, modes,
                        buffers, fold.specs, fold.spec_of, fold.overwrite, *fold.states)
+        if not fold.specs and not complete:
+            self._armed = key  # (the extension keeps the lists: rearm)
 
     def take_records(self, opt, mb: BackwardPass, end: bool = False) -> None:
         """Record in the window and in ``mb`` what the extension did since the last call;
         ``end``: the pass is over (ended or failed), disarm."""
         if not self.state.armed:
             return
-        slots, modes, norms, adopted = self.state.drain()
+        added, slots, modes, norms, adopted = self.state.drain()
         if end:
             self.state.disarm()
+        if added:  # (the common record, plain additions: no Python object per parameter)
+            mb.added_slots.update(added)
+            mb.added_to_live = True
         win = opt._window
         for slot, mode, norm, grad in zip(slots, modes, norms, adopted):
-            if mode == _ADD and norm is None:  # (the common record: no Python object per parameter)
-                mb.added_slots.add(slot)
-                mb.added_to_live = True
-                continue
             p = self.params[slot]
             mb.seen.add(p)
             mb.completed.add(p)

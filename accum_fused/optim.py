@@ -226,10 +226,16 @@ class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
         self._init_bf16_update(bf16_update)
         self._init_accumulation(accumulation_steps, max_grad_norm, backend, process_group, in_backward)
 
-    def _call_key(self, p: Tensor):
+    def _call_keys(self, params: list[Tensor]) -> list[int]:
         # Bias corrections depend on the step, which differs for parameters that missed windows.
-        step = self.state.get(p, {}).get("step")
-        return 0 if step is None else int(step.item())
+        # One stack and one tolist for all of them: a .item() per parameter cost ~1 us each.
+        steps = [self.state.get(p, {}).get("step") for p in params]
+        known = [step for step in steps if step is not None]
+        try:
+            values = iter(torch.stack(known).tolist() if known else ())
+        except RuntimeError:  # (step tensors of several dtypes or devices: a loaded, unusual state)
+            values = iter([step.item() for step in known])
+        return [0 if step is None else int(next(values)) for step in steps]
 
     def _init_param_state(self, p: Tensor, group) -> dict:
         state = self.state[p]

@@ -19,7 +19,9 @@
 //
 //   HookState  one per optimizer; slot i = the i-th hooked parameter
 //     arm(...)   see HookState::arm; the current graph task becomes the armed one
-//     drain() -> (slots, what was done, norms, adopted gradients)  since the last drain
+//     rearm(...)  arm again with the last arm's lists (one that folded nothing), new scalars
+//     drain() -> (slots of plain additions, other slots, what was done there, norms, adopted
+//                gradients)  since the last drain
 //     disarm()   the pass ended (or failed)
 //     taken      gradients taken here, in all (tests count them)
 //   FastHook(state, slot, fallback)  the hook registered on a parameter
@@ -87,6 +89,7 @@ struct Slot {
 };
 
 struct Taken {
+  std::vector<int64_t> added;  // ADD without a norm: the common record, only its slot
   std::vector<int64_t> slots, modes;
   std::vector<std::optional<Tensor>> norms, adopted;
 };
@@ -105,6 +108,10 @@ struct HookState {
   std::vector<FoldSpec> specs;
   Taken taken_now;  // since the last drain
   int64_t taken = 0;
+  // The last arm's lists when it folded nothing: `rearm` arms them again (in_backward.py's
+  // FastPath reuses a pass's lists for the next pass that finds the window unchanged).
+  std::vector<int64_t> last_slots, last_modes;
+  std::vector<Tensor> last_buffers;
 
   void add_slot() { slots.emplace_back(); }
 
@@ -146,6 +153,33 @@ struct HookState {
       }
     }
     armed = slot_ids;
+    if (!folds) {
+      last_slots = slot_ids;
+      last_modes = modes;
+      last_buffers.clear();
+      for (const auto& b : buffers) last_buffers.push_back(b.value_or(Tensor()));
+    } else {
+      last_slots.clear();
+      last_modes.clear();
+      last_buffers.clear();
+    }
+  }
+
+  // arm() with the last non-folding arm's slots, modes and buffers and new scalars.
+  void rearm(double w, std::optional<double> nws, double wsum) {
+    disarm();
+    armed_task = torch::autograd::get_current_graph_task_id();
+    if (armed_task < 0) return;
+    weight = w;
+    norm_weight_sum = nws;
+    weight_sum = wsum;
+    specs.clear();
+    for (size_t i = 0; i < last_slots.size(); ++i) {
+      Slot& s = slots[last_slots[i]];
+      s.mode = last_modes[i];
+      s.buffer = last_buffers[i];
+    }
+    armed = last_slots;
   }
 
   void disarm() {
@@ -154,12 +188,13 @@ struct HookState {
     armed_task = -1;
   }
 
-  std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<std::optional<Tensor>>,
+  std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<std::optional<Tensor>>,
              std::vector<std::optional<Tensor>>>
   drain() {
     Taken out = std::move(taken_now);
     taken_now = Taken{};
-    return {std::move(out.slots), std::move(out.modes), std::move(out.norms), std::move(out.adopted)};
+    return {std::move(out.added), std::move(out.slots), std::move(out.modes), std::move(out.norms),
+            std::move(out.adopted)};
   }
 
   // Does what `param`'s slot was armed for with its gradient, when it fits; false leaves
@@ -195,12 +230,16 @@ struct HookState {
       }
     }
     s.seen_task = armed_task;
+    grad_slot.reset();  // .grad = None, as the Python hook leaves it
+    ++taken;
+    if (done == kAdd && !norm.has_value()) {
+      taken_now.added.push_back(slot_id);
+      return true;
+    }
     taken_now.slots.push_back(slot_id);
     taken_now.modes.push_back(done);
     taken_now.norms.push_back(std::move(norm));
     taken_now.adopted.push_back(std::move(adopted));
-    grad_slot.reset();  // .grad = None, as the Python hook leaves it
-    ++taken;
     return true;
   }
 
@@ -262,6 +301,7 @@ void register_hooks(py::module& m) {
       .def("arm", &HookState::arm, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"),
            py::arg("slots"), py::arg("modes"), py::arg("buffers"), py::arg("fold_specs"), py::arg("spec_of"),
            py::arg("overwrite"), py::arg("state0"), py::arg("state1"), py::arg("state2"), py::arg("steps"))
+      .def("rearm", &HookState::rearm, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"))
       .def("disarm", &HookState::disarm)
       .def("drain", &HookState::drain)
       .def_property_readonly("armed", [](const HookState& s) { return s.armed_task >= 0; })
