@@ -573,7 +573,8 @@ class StepTable:
         """None where the table cannot stand in for add_micro_batch: parameters on several
         devices or not plain tensors (DTensor, complex), a parameter the cpp backend does not
         run, fused=True groups (torch's device checks), a live buffer that must follow its
-        parameter first (Window.conform)."""
+        parameter first (Window.conform). A stale buffer that no longer fits its parameter is
+        dropped here, as Window.conform drops it: the table then vouches for every buffer."""
         from . import backends
         cpp = backends._load("cpp")
         params = opt._all_params()
@@ -586,8 +587,10 @@ class StepTable:
                 return None
             buf = win.buffers.get(p)
             if buf is not None and (buf.dtype != state_dtype(p) or buf.device != p.device or buf.shape != p.shape):
-                if p in win.live:
-                    return None
+                if p in win.live or win.sync is not None:
+                    return None  # (Window.conform carries it along, or raises)
+                del win.buffers[p]  # stale: as Window.conform does, the next gradient allocates a fresh one
+                win.changed()
                 buf = None
             buffers.append(buf)
         live = [p in win.live for p in params]

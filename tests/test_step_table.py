@@ -220,3 +220,31 @@ def test_no_gradient_still_warns(monkeypatch):
     with pytest.warns(UserWarning, match="found no gradient"):
         opt.step()
     assert opt.micro_step == 2
+
+
+def test_a_stale_buffer_that_no_longer_fits_is_dropped_when_the_table_is_built(monkeypatch):
+    """A parameter resized between windows whose stale buffer is still there when a table is
+    built (here: after add_param_group made the old one miss) and whose gradient comes only in
+    the window's closing micro-batch, which trusts the table for every buffer: the buffer is
+    dropped at the build, as Window.conform drops it, and the window takes the new shape."""
+    counted = Counted(monkeypatch, off=False)
+    body, extra = nn.Linear(3, 2), nn.Parameter(torch.ones(4))
+    opt = accum_fused.SGD([*body.parameters(), extra], lr=0.1, accumulation_steps=3)
+
+    def micro_batch(with_extra):
+        loss = body(torch.ones(2, 3)).sum()
+        if with_extra:
+            loss = loss + (extra * extra).sum()
+        loss.backward()
+        opt.step()
+
+    for _ in range(3):
+        micro_batch(True)
+    extra.data = torch.ones(6)  # resized between windows
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
+    micro_batch(False)  # a table is built here, with extra's stale buffer in the window
+    micro_batch(False)
+    assert counted.taken == 2 and extra not in opt._window.buffers
+    micro_batch(True)  # the closing micro-batch: extra's first gradient since the resize
+    # (two of the window's three micro-batches gave extra no gradient: they count as zeros)
+    assert opt.update_count == 2 and torch.allclose(extra.detach(), torch.full((6,), 1 - 0.1 * 2 / 3))
