@@ -193,22 +193,11 @@ class Window:
         else:
             params = [p for p, _ in pairs]
             self.conform(opt, params + list(self.live.difference(params)) if closing else params, closing)
-        if found_inf is not None:
-            # Sum on the device: no host synchronisation per micro-batch.
-            found = found_inf.detach().float()
-            found_inf = found if self.found_inf is None else self.found_inf + found
-        else:
-            found_inf = self.found_inf
+        found_inf = self._running_found_inf(found_inf)
         weight = self.enter_weight(weight)
         grad_weight = 1.0 if in_loss else weight  # FSDP2: opt.backward scaled the loss by it
         # Nothing above changed the window's meaning; from here on the micro-batch is taken.
-        self.pending_weight = None
-        self.backward_done = False
-        self.micro_step += self.last_part()
-        # in_backward mode A: the buffers hold the sum of the loop's backward passes (what
-        # autograd would have summed into .grad), so the window's divisor is 1.
-        self.weight_sum = 1.0 if opt.in_backward else self.weight_sum + weight
-        self.found_inf = found_inf
+        self._count_micro_batch(opt, weight, found_inf)
         if self.shards is not None and not opt.in_backward:  # (in_backward mode A sums: no weights)
             self.late_weights.append(None if in_loss else weight)
             if not pairs:
@@ -241,17 +230,9 @@ class Window:
             if present < 0:
                 self.step_table = None
             return False
-        if found_inf is not None:
-            found = found_inf.detach().float()
-            found_inf = found if self.found_inf is None else self.found_inf + found
-        else:
-            found_inf = self.found_inf
+        found_inf = self._running_found_inf(found_inf)
         weight = self.enter_weight(weight)
-        self.pending_weight = None
-        self.backward_done = False
-        self.micro_step += 1
-        self.weight_sum += weight
-        self.found_inf = found_inf
+        self._count_micro_batch(opt, weight, found_inf)
         newly_live = table.cpp.take(weight, device_scalar(grad_scale, table.device), opt.accumulation_steps > 1)
         if newly_live:
             if not self.live and len(newly_live) == len(table.buffered):
@@ -260,6 +241,24 @@ class Window:
                 self.live.update(table.params[i] for i in newly_live)
         self.updated = False
         return True
+
+    def _running_found_inf(self, found_inf: Tensor | None) -> Tensor | None:
+        """The window's non-finite flag with this micro-batch's (GradScaler's) added: summed on
+        the device, so no host synchronisation per micro-batch."""
+        if found_inf is None:
+            return self.found_inf
+        found = found_inf.detach().float()
+        return found if self.found_inf is None else self.found_inf + found
+
+    def _count_micro_batch(self, opt, weight: float, found_inf: Tensor | None) -> None:
+        """step()'s micro-batch (or its last part) is taken: counters, weight total, flag."""
+        self.pending_weight = None
+        self.backward_done = False
+        self.micro_step += self.last_part()
+        # in_backward mode A: the buffers hold the sum of the loop's backward passes (what
+        # autograd would have summed into .grad), so the window's divisor is 1.
+        self.weight_sum = 1.0 if opt.in_backward else self.weight_sum + weight
+        self.found_inf = found_inf
 
     def _table_for(self, opt) -> StepTable | None:
         """The step table, true to ``buffers`` and ``live``; built (once per window at most)
