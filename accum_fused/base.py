@@ -474,7 +474,13 @@ class AccumulatingOptimizer:
         default)."""
         return [None] * len(params)
 
-    def _update(self, backend, group, params, buffers, **window) -> None:
+    def _uniform_call_key(self, lists: dict[str, list]) -> bool:
+        """Whether the parameters of ``_state_lists``'s ``lists`` share one call key (see
+        ``_call_keys``): window.ClosingPlan asks it before one call updates them all."""
+        return True
+
+    def _update(self, backend, group, params, buffers, lists=None, **window) -> None:
+        """One backend call updating ``params`` (``lists``: their ``_state_lists``, when kept)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ checkpoint, copies

@@ -220,7 +220,10 @@ class Window:
         add_micro_batch does, in one extension call (StepTable) instead of a Python loop over the
         parameters. False, with nothing changed, where the table cannot take it exactly so
         (add_micro_batch then does, and is the spec this is tested against)."""
-        if opt.in_backward or self.shards is not None or self.parts_left or self.closes_with(opt):
+        if opt.in_backward or self.shards is not None or self.parts_left:
+            return False
+        closing = self.closes_with(opt)
+        if closing and self.sync is not None:
             return False
         table = self._table_for(opt)
         if table is None:
@@ -230,10 +233,16 @@ class Window:
             if present < 0:
                 self.step_table = None
             return False
+        plan = ClosingPlan.for_window(opt, self, table, present) if closing else None
+        if closing and plan is None:
+            return False
         found_inf = self._running_found_inf(found_inf)
         weight = self.enter_weight(weight)
         self._count_micro_batch(opt, weight, found_inf)
-        newly_live = table.cpp.take(weight, device_scalar(grad_scale, table.device), opt.accumulation_steps > 1)
+        if closing:
+            plan.close(opt, self, weight, grad_scale)
+            return True
+        newly_live, _ = table.cpp.take(weight, device_scalar(grad_scale, table.device), opt.accumulation_steps > 1)
         if newly_live:
             if not self.live and len(newly_live) == len(table.buffered):
                 self.live.update(table.buffered)  # (set to set: no tensor hashed again)
@@ -434,20 +443,24 @@ class Window:
 
     # ------------------------------------------------------------------------- closing
     def close(self, opt, last_pairs=(), last_weight: float = 1.0, grad_scale: Tensor | None = None,
-              norms: dict | None = None, flushing: bool = False) -> bool:
+              norms: dict | None = None, flushing: bool = False, plan: ClosingPlan | None = None) -> bool:
         """Close the window: agree with the other ranks (sums, weight total, non-finite flags),
         skip it if a micro-batch was non-finite or no parameter received a gradient, otherwise
         clip and update. ``last_pairs`` is the last micro-batch, not yet accumulated (folded into
         the update pass); ``norms`` the per-parameter window-gradient norms already computed.
-        Sets and returns ``updated``."""
+        ``plan``: the step table's ClosingPlan updates instead of ``opt._apply_window`` (the last
+        micro-batch and the norms are then its own). Sets and returns ``updated``."""
         self.closings += 1
         weight_sum, skip, clip_coef = self._agree(opt, flushing)
         # An empty window (no gradient anywhere: no micro-batch on any rank, or only None grads)
         # is not an update, as torch.optim's step without gradients changes nothing.
-        applied = not skip and weight_sum > 0 and bool(self.live or last_pairs)
+        applied = not skip and weight_sum > 0 and bool(self.live or last_pairs or plan)
         closed = False
         try:
-            if applied:
+            if plan is not None and applied:
+                plan.update(opt, self, last_weight, grad_scale, weight_sum)
+                self.update_count += 1
+            elif applied:
                 if opt.max_grad_norm is not None and clip_coef is None:
                     clip_coef = self._clip_coefficient(opt, weight_sum, norms or {})
                 opt._apply_window(dict(last_pairs), last_weight, grad_scale, weight_sum, clip_coef)
@@ -552,7 +565,10 @@ class Window:
             measured = opt._backend_for(params[0]).window_norms(
                 buffers=[kernel_view(self.buffers[p]) for p in params], weight_sum=weight_sum)
             norms = {**norms, **dict(zip(params, measured.unbind()))}
-        total_norm = torch.linalg.vector_norm(torch.stack([norms[p].to(live[0].device) for p in live]))
+        return self.clip_for(opt, torch.linalg.vector_norm(torch.stack([norms[p].to(live[0].device) for p in live])))
+
+    def clip_for(self, opt, total_norm: Tensor) -> Tensor:
+        """The clip coefficient for the window's gradient norm (kept as ``last_grad_norm``)."""
         self.last_grad_norm = total_norm
         return torch.clamp(opt.max_grad_norm / (total_norm + 1e-6), max=1.0)
 
@@ -566,6 +582,7 @@ class StepTable:
     def __init__(self, cpp, params: list[Tensor], buffered: set, device: torch.device, version: int) -> None:
         self.cpp, self.params, self.buffered, self.device, self.version = cpp, params, buffered, device, version
         self.state_conformed = False  # conform_state ran since it was built (what moves state makes it stale)
+        self.closing_plan: ClosingPlan | None = None
 
     @staticmethod
     def build(opt, win: Window) -> StepTable | None:
@@ -595,6 +612,103 @@ class StepTable:
         live = [p in win.live for p in params]
         table = cpp._C.StepTable(params, buffers, live)
         return StepTable(table, params, {p for p, buf in zip(params, buffers) if buf is not None}, device, win.version)
+
+
+class ClosingPlan:
+    """A window's closing micro-batch in plain mode with the step table, and the update, with
+    no Python loop over the parameters: what add_micro_batch and ``opt._apply_window`` do, for
+    the case training loops give, where every parameter of the table has a gradient in the
+    closing micro-batch, all of them live in the window (or none: accumulation_steps=1), each
+    param group of one dtype and one call key (Adam's step count). The per-parameter lists of
+    the update calls (``opt._state_lists``) are kept on the step table while the optimizer
+    state is the same dict with the same entries and the groups' list-shaping flags stand
+    (``load_state_dict`` replaces the dict; what moves state makes the table stale). A state
+    tensor swapped by hand into ``opt.state[p]`` is not seen: load a state_dict instead."""
+
+    def __init__(self, table: StepTable, calls: list, cacheable: bool) -> None:
+        self.table, self.calls, self.cacheable = table, calls, cacheable
+        self.key: tuple | None = None  # state_key when the lists were built
+        self.last_grads: list[Tensor] | None = None  # the closing micro-batch, when folded into the update
+        self.overwrite = False
+        self.norms: Tensor | None = None
+
+    @staticmethod
+    def for_window(opt, win: Window, table: StepTable, present: int) -> ClosingPlan | None:
+        """The plan for closing ``win`` now (the table's check found ``present`` gradients), or
+        None with nothing changed where add_micro_batch must close it. Validates first, as
+        add_micro_batch does: every buffer fits (the table's check), the state is conformed."""
+        n = len(table.params)
+        if present != n or table.cpp.live_count not in (0, n) or not hasattr(opt, "_state_lists"):
+            return None
+        if not table.cpp.conforms():
+            return None
+        if not table.state_conformed:
+            conform_state(opt.state, table.params, opt._param_name, opt._state_dtype_of)
+            table.state_conformed = True
+        plan = table.closing_plan
+        if plan is None or not plan.current(opt):
+            plan = ClosingPlan.build(opt, win, table)
+            if plan is None:
+                return None
+            plan.key = ClosingPlan.state_key(opt)  # (after the build, which creates missing state)
+            table.closing_plan = plan if plan.cacheable else None
+        if not all(opt._uniform_call_key(lists) for _, _, _, lists, _, _ in plan.calls):
+            return None
+        return plan
+
+    def current(self, opt) -> bool:
+        # (the state dict itself, not its id: a loaded one may reuse a freed one's address)
+        key = ClosingPlan.state_key(opt)
+        return self.key is not None and self.key[0] is key[0] and self.key[1:] == key[1:]
+
+    @staticmethod
+    def state_key(opt) -> tuple:
+        """What the kept lists depend on beyond the step table: the state dict and its entries,
+        and the group flags that add lists (amsgrad, momentum)."""
+        return (opt.state, len(opt.state),
+                tuple((group.get("amsgrad"), group.get("momentum", 0) != 0) for group in opt.param_groups))
+
+    @staticmethod
+    def build(opt, win: Window, table: StepTable) -> ClosingPlan | None:
+        calls, start, cacheable = [], 0, True
+        for group in opt.param_groups:
+            params = group["params"]
+            if not params:
+                continue
+            if any(p.dtype != params[0].dtype for p in params):
+                return None
+            lists = opt._state_lists(group, params)
+            cacheable &= not any(t is None for values in lists.values() for t in values)
+            calls.append((group, params, [win.buffers[p] for p in params], lists, opt._backend_for(params[0]),
+                          slice(start, start + len(params))))
+            start += len(params)
+        return ClosingPlan(table, calls, cacheable)
+
+    def close(self, opt, win: Window, weight: float, grad_scale: Tensor | None) -> None:
+        """Take the closing micro-batch (counted by the caller) and close ``win``."""
+        table, clear = self.table, opt.accumulation_steps > 1
+        if opt._folds_last_micro_batch and opt.max_grad_norm is None:
+            self.last_grads, self.overwrite = table.cpp.present_grads(), table.cpp.live_count == 0
+            table.cpp.release(clear)  # (the list keeps the gradients for the update pass)
+        else:
+            norm_weight_sum = win.weight_sum if opt.max_grad_norm is not None else None
+            _, self.norms = table.cpp.take(weight, device_scalar(grad_scale, table.device), clear, norm_weight_sum)
+        win.live.update(table.buffered)
+        try:
+            win.close(opt, (), weight, grad_scale, plan=self)
+        finally:
+            self.last_grads = self.norms = None
+
+    def update(self, opt, win: Window, last_weight: float, grad_scale: Tensor | None, weight_sum: float) -> None:
+        """Window.close's update: one ``opt._update`` call per param group."""
+        clip_coef = None if opt.max_grad_norm is None else win.clip_for(opt, torch.linalg.vector_norm(self.norms))
+        for group, params, buffers, lists, backend, span in self.calls:
+            last = {}
+            if self.last_grads is not None:
+                last = dict(grads=self.last_grads[span], weight=last_weight, overwrite=self.overwrite,
+                            grad_scale=grad_scale)
+            opt._update(backend, group, params, buffers, lists=lists, weight_sum=weight_sum, clip_coef=clip_coef,
+                        **last)
 
 
 def window_listeners(opt) -> WindowListeners:

@@ -18,12 +18,16 @@
 //
 //   StepTable(params, buffers, live)       params: the optimizer's, in order
 //     check(param_lists) -> n              gradients present; -1: not the table's to take
-//     take(weight, grad_scale, clear) -> newly live indices   (right after a check > 0)
+//     take(weight, grad_scale, clear, norm_weight_sum=None) -> (newly live indices, norms or None)
+//                                          (right after a check > 0)
+//     present_grads(), release(clear)      the checked gradients, and taking them without adding
+//                                          (the closing micro-batch folded into the update)
 //     mark_live(params), reset_live(), live_count
 //     conforms()                           every buffer still fits its parameter (Window.conform's check)
 #include <torch/extension.h>
 
 #include <optional>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -114,12 +118,15 @@ struct StepTable {
   // Adds the gradients found by the last check into their buffers: one accumulate call per
   // (gradient dtype, overwrite) -- stale buffers are overwritten, live ones added to, as
   // Window.accumulate groups them -- then frees .grad (clear) and returns the indices whose
-  // buffers became live.
-  std::vector<int64_t> take(double weight, const std::optional<Tensor>& grad_scale, bool clear) {
+  // buffers became live. With norm_weight_sum (a window's closing micro-batch, clipped), also
+  // ||buffer / norm_weight_sum|| of each taken gradient's buffer, in the order of the check.
+  std::tuple<std::vector<int64_t>, std::optional<Tensor>> take(double weight, const std::optional<Tensor>& grad_scale,
+                                                               bool clear, std::optional<double> norm_weight_sum) {
     TORCH_CHECK(present.size() == grads.size(), "StepTable.take: check() first");
     struct Group {
       at::ScalarType dtype;
       bool overwrite;
+      std::vector<int64_t> order;  // positions in present
       std::vector<Tensor> grads, buffers;
     };
     std::vector<Group> groups;
@@ -132,16 +139,39 @@ struct StepTable {
         if (g.dtype == d && g.overwrite == overwrite) group = &g;
       }
       if (group == nullptr) {
-        groups.push_back(Group{d, overwrite, {}, {}});
+        groups.push_back(Group{d, overwrite, {}, {}, {}});
         group = &groups.back();
       }
+      group->order.push_back(static_cast<int64_t>(k));
       group->grads.push_back(grads[k]);
       group->buffers.push_back(buffers[i]);
     }
+    std::optional<Tensor> norms;
     {
       py::gil_scoped_release no_gil;
-      for (const Group& g : groups) accumulate_op(g.grads, g.buffers, weight, g.overwrite, grad_scale, std::nullopt);
+      for (const Group& g : groups) {
+        std::optional<Tensor> group_norms =
+            accumulate_op(g.grads, g.buffers, weight, g.overwrite, grad_scale, norm_weight_sum);
+        if (!norm_weight_sum.has_value()) continue;
+        if (groups.size() == 1) {
+          norms = group_norms;
+          continue;
+        }
+        if (!norms.has_value()) norms = at::empty({static_cast<int64_t>(present.size())}, group_norms->options());
+        norms->index_copy_(0, at::tensor(g.order, at::kLong).to(group_norms->device()), *group_norms);
+      }
     }
+    std::vector<int64_t> newly_live = release(clear);
+    return {std::move(newly_live), std::move(norms)};
+  }
+
+  // The gradients found by the last check, in its order (a closing micro-batch folded into the
+  // update: window.ClosingPlan passes them to the update pass, then calls release).
+  std::vector<Tensor> present_grads() const { return grads; }
+
+  // The gradients found by the last check are in the window: frees .grad (clear), marks their
+  // buffers live and returns the indices that became so.
+  std::vector<int64_t> release(bool clear) {
     std::vector<int64_t> newly_live;
     for (const int64_t i : present) {
       if (clear) params[i].mutable_grad().reset();
@@ -195,7 +225,10 @@ void register_step_table(py::module& m) {
       .def(py::init<const py::list&, const std::vector<std::optional<Tensor>>&, const std::vector<bool>&>(),
            py::arg("params"), py::arg("buffers"), py::arg("live"))
       .def("check", &StepTable::check, py::arg("param_lists"))
-      .def("take", &StepTable::take, py::arg("weight"), py::arg("grad_scale"), py::arg("clear"))
+      .def("take", &StepTable::take, py::arg("weight"), py::arg("grad_scale"), py::arg("clear"),
+           py::arg("norm_weight_sum") = py::none())
+      .def("present_grads", &StepTable::present_grads)
+      .def("release", &StepTable::release, py::arg("clear"))
       .def("mark_live", &StepTable::mark_live, py::arg("params"))
       .def("reset_live", &StepTable::reset_live)
       .def("conforms", &StepTable::conforms)

@@ -28,11 +28,12 @@ pytestmark = pytest.mark.skipif(built_without_extension(), reason="the step tabl
 
 
 class Counted:
-    """Counts the micro-batches the table took; ``off`` switches it off (the spec run)."""
+    """Counts the micro-batches the table took, and of them the closing ones (ClosingPlan);
+    ``off`` switches it off (the spec run)."""
 
     def __init__(self, monkeypatch, off: bool) -> None:
-        self.taken = 0
-        original = window_module.Window.take_with_table
+        self.taken = self.closed = 0
+        original, original_close = window_module.Window.take_with_table, window_module.ClosingPlan.close
 
         def take_with_table(win, *args):
             if off:
@@ -41,7 +42,12 @@ class Counted:
             self.taken += taken
             return taken
 
+        def close(plan, *args):
+            self.closed += 1
+            return original_close(plan, *args)
+
         monkeypatch.setattr(window_module.Window, "take_with_table", take_with_table)
+        monkeypatch.setattr(window_module.ClosingPlan, "close", close)
 
 
 class Net(nn.Module):
@@ -109,7 +115,23 @@ CASES = {
     "wrapper": dict(make=lambda ps: accum_fused.GradientAccumulator(torch.optim.AdamW(ps, lr=1e-2),
                                                                    accumulation_steps=4, backend="cpp")),
     "grad_scaler": dict(make=lambda ps: accum_fused.AdamW(ps, lr=1e-2, accumulation_steps=4), scaler=True),
+    "adamw_k1": dict(make=lambda ps: accum_fused.AdamW(ps, lr=1e-2, weight_decay=0.1)),
+    "sgd_nesterov_clip": dict(make=lambda ps: accum_fused.SGD(ps, lr=0.1, momentum=0.9, nesterov=True,
+                                                              accumulation_steps=4, max_grad_norm=0.5)),
+    "two_groups": dict(make=lambda ps: _two_groups(ps, accumulation_steps=4, max_grad_norm=0.5)),
 }
+# The cases whose windows the ClosingPlan closes (every parameter has a gradient in every
+# micro-batch), with how many at least: the others close in Python (a parameter without a
+# gradient in the closing micro-batch, GradientAccumulator).
+# (windows 2.. of 23 micro-batches: the first allocates the buffers in Python)
+PLANNED = {"adamw": 4, "adamw_clip": 4, "adam_amsgrad_k3": 6, "sgd_momentum": 4, "unweighted": 4, "bf16": 4,
+           "fp16": 4, "grad_scaler": 4, "adamw_k1": 22, "sgd_nesterov_clip": 4, "two_groups": 4}
+
+
+def _two_groups(params, **kwargs):
+    params = list(params)
+    return accum_fused.AdamW([{"params": params[:2], "lr": 3e-2, "weight_decay": 0.0},
+                              {"params": params[2:], "amsgrad": True}], lr=1e-2, **kwargs)
 
 
 def _train(monkeypatch, case, off, micro_batches=23):
@@ -124,17 +146,18 @@ def _train(monkeypatch, case, off, micro_batches=23):
                      scaler=scaler)
     mid = _state(opt, model)  # (23 = 5 windows of 4 + 3: an open window)
     opt.flush()
-    return counted.taken, mid, _state(opt, model)
+    return counted, mid, _state(opt, model)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_table_takes_micro_batches_as_the_python_path_does(monkeypatch, case):
-    taken, mid, end = _train(monkeypatch, case, off=False)
+    counted, mid, end = _train(monkeypatch, case, off=False)
     with monkeypatch.context() as m:
-        untaken, spec_mid, spec_end = _train(m, case, off=True)
-    assert untaken == 0
+        spec, spec_mid, spec_end = _train(m, case, off=True)
+    assert spec.taken == spec.closed == 0
     # Windows 2.. take every micro-batch but the closing one (the first window allocates buffers).
-    assert taken >= 8, taken
+    assert counted.taken >= 8, counted.taken
+    assert counted.closed >= PLANNED.get(case, 0), counted.closed
     _assert_same(mid, spec_mid)
     _assert_same(end, spec_end)
 
@@ -248,3 +271,53 @@ def test_a_stale_buffer_that_no_longer_fits_is_dropped_when_the_table_is_built(m
     micro_batch(True)  # the closing micro-batch: extra's first gradient since the resize
     # (two of the window's three micro-batches gave extra no gradient: they count as zeros)
     assert opt.update_count == 2 and torch.allclose(extra.detach(), torch.full((6,), 1 - 0.1 * 2 / 3))
+
+
+def _run_windows(monkeypatch, off, *, windows=6, side_in=lambda i: True, between=None):
+    """AdamW k=4 over ``windows`` windows; ``side_in(i)``: micro-batch i uses ``side``;
+    ``between(opt, w)`` runs after window w closes."""
+    counted = Counted(monkeypatch, off)
+    model = Net()
+    opt = accum_fused.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, accumulation_steps=4)
+    for i, (x, y) in enumerate(_batches(4 * windows)):
+        loss = ((model(x, use_side=side_in(i)) - y) ** 2).mean()
+        loss.backward()
+        opt.step(weight=float(len(x)))
+        opt.zero_grad()
+        if between is not None and i % 4 == 3:
+            between(opt, i // 4 + 1)
+    return counted, _state(opt, model)
+
+
+def test_step_counts_that_differ_close_in_python(monkeypatch):
+    # side has no gradient in window 3: its step count then trails the others' for good, and
+    # the plan (one call per group: one step count) must leave those windows to Python.
+    side_in = lambda i: not 8 <= i < 12  # noqa: E731
+    counted, end = _run_windows(monkeypatch, False, side_in=side_in)
+    with monkeypatch.context() as m:
+        _, spec_end = _run_windows(m, True, side_in=side_in)
+    assert counted.closed == 1  # window 2 only (window 1 allocates; 3 lacks side; 4.. differ)
+    _assert_same(end, spec_end)
+
+
+def test_the_plan_follows_a_loaded_state(monkeypatch):
+    # A state_dict loaded between windows replaces every state tensor: the kept lists must not
+    # update the old ones (nor keep them alive). torch.optim's: it keeps the window and its
+    # table as they are (accum_fused's own reopens a window, which rebuilds the table).
+    donor_model = Net()
+    donor = torch.optim.AdamW(donor_model.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, y in _batches(6, seed=7):
+        ((donor_model(x) - y) ** 2).mean().backward()
+        donor.step()
+        donor.zero_grad()
+    saved = donor.state_dict()
+
+    def between(opt, w):
+        if w == 3:
+            opt.load_state_dict(copy.deepcopy(saved))
+
+    counted, end = _run_windows(monkeypatch, False, between=between)
+    with monkeypatch.context() as m:
+        _, spec_end = _run_windows(m, True, between=between)
+    assert counted.closed >= 4
+    _assert_same(end, spec_end)
