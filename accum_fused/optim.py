@@ -151,7 +151,7 @@ class _Bf16Rounding:
 
 
 class SGD(_Bf16Rounding, AccumulatingOptimizer, torch.optim.SGD):
-    """torch.optim.SGD with gradient accumulation (see the package README).
+    """torch.optim.SGD with gradient accumulation (docs/getting-started.md, docs/concepts.md).
 
     Momentum buffers are fp32 whatever the parameter dtype (torch keeps them in the parameter
     dtype); fp64 parameters keep fp64 state.
@@ -210,7 +210,7 @@ class SGD(_Bf16Rounding, AccumulatingOptimizer, torch.optim.SGD):
 
 
 class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
-    """torch.optim.Adam with gradient accumulation (see the package README).
+    """torch.optim.Adam with gradient accumulation (docs/getting-started.md, docs/concepts.md).
 
     exp_avg / exp_avg_sq / max_exp_avg_sq are fp32 whatever the parameter dtype (torch keeps
     them in the parameter dtype); fp64 parameters keep fp64 state. ``step`` is a CPU tensor.

@@ -15,7 +15,7 @@ tests/test_multiprocess.py); the tests assert bounds, this prints the numbers.
                     sample mean times the world size, clip_grad_norm_ (find_unused_parameters=True:
                     an auxiliary head is used by some micro-batches only; the same rows are
                     repeated with it unused everywhere).
-  HF Trainer        torchrun, the README recipe; control: the Trainer with torch.optim.AdamW.
+  HF Trainer        torchrun, the recipe of docs/guides/hf-trainer.md; control: the Trainer with torch.optim.AdamW.
   accelerate        accelerate launch, the Accelerator recipe and mode A; control: torch.optim
                     under accelerate's accumulation.
   Lightning         strategy="ddp", the recipe and mode A (no torch.optim control run).

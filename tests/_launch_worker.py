@@ -4,7 +4,8 @@ Lightning's own ``strategy="ddp"`` launcher.
 
     <launcher> tests/_launch_worker.py JOB OUT_DIR
 
-Each JOB trains the tiny GPT-2 of ``_framework_truth`` with a README recipe, unchanged, and
+Each JOB trains the tiny GPT-2 of ``_framework_truth`` with a recipe of the docs' guides
+(docs/guides/hf-trainer.md, accelerate.md, lightning.md), unchanged, and
 saves what the test compares, per rank, to ``OUT_DIR/<run>-rank<R>.pt``: the final parameters,
 the learning rate of every update and the number of updates. The data: 112 sequences of length
 3-48 (``_framework_truth``), micro-batches of 4, k=4 per rank. accelerate (under the Trainer
@@ -36,7 +37,8 @@ def save(out_dir: str, run: str, model, lrs: list[float], updates: int) -> None:
 
 # ---------------------------------------------------------------------------- HF Trainer
 def hf_trainer(out_dir: str) -> None:
-    """The README's Trainer recipe (accum_fused.AdamW in_backward + AccumFusedCallback) and the
+    """The Trainer recipe of docs/guides/hf-trainer.md (accum_fused.AdamW in_backward +
+    AccumFusedCallback) and the
     control, the Trainer with torch.optim.AdamW, under the same launch."""
     import transformers
 
@@ -67,7 +69,7 @@ def hf_trainer(out_dir: str) -> None:
             save_strategy="no", report_to=[], use_cpu=True, ddp_backend="gloo", dataloader_drop_last=False,
             train_sampling_strategy="sequential", disable_tqdm=True, seed=0)
         record = RecordLR()
-        if run == "accum_fused":  # the README recipe
+        if run == "accum_fused":  # the recipe of docs/guides/hf-trainer.md
             opt = accum_fused.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, in_backward=True)
             callbacks = [AccumFusedCallback(), record]
         else:
@@ -109,7 +111,8 @@ def lightning_order() -> list[torch.Tensor]:
 
 
 def accelerate_recipe(out_dir: str) -> None:
-    """The README's accelerate recipe: the optimizer holds the window (step(weight=tokens))."""
+    """The accelerate recipe of docs/guides/accelerate.md: the optimizer holds the window
+    (step(weight=tokens))."""
     import accum_fused
     from accum_fused.integrations.accelerate import Accelerator
 

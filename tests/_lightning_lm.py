@@ -1,5 +1,6 @@
-"""The README's Lightning recipes as a LightningModule, for tests/_launch_worker.py (a module of
-its own so that ``strategy="ddp_spawn"`` can pickle it by name)."""
+"""The Lightning recipes of docs/guides/lightning.md as a LightningModule, for
+tests/_launch_worker.py (a module of its own so that ``strategy="ddp_spawn"`` can pickle it by
+name)."""
 from __future__ import annotations
 
 import atexit

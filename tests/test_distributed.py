@@ -126,7 +126,8 @@ def test_add_param_group_gets_a_synced_buffer(single_rank_group):
 
 
 def test_readme_torchrun_example_runs():
-    """The README's `torchrun --nproc-per-node 2 examples/data_parallel.py`, as written."""
+    """`torchrun --nproc-per-node 2 examples/data_parallel.py`, as docs/guides/data-parallel.md
+    writes it."""
     example = Path(__file__).resolve().parents[1] / "examples" / "data_parallel.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(example), "--epochs", "2"]

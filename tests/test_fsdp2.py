@@ -37,7 +37,7 @@ def test_two_ranks(rank_results, case):
 
 
 def test_readme_fsdp2_example_runs():
-    """The README's `torchrun --nproc-per-node 2 examples/fsdp2.py`, as written (it checks
+    """`torchrun --nproc-per-node 2 examples/fsdp2.py`, as docs/guides/fsdp2.md writes it (it checks
     itself against a single-process AdamW on the big batch)."""
     example = Path(__file__).resolve().parents[1] / "examples" / "fsdp2.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(example)]

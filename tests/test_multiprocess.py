@@ -1,6 +1,7 @@
-"""The README's framework recipes on two processes, launched as users launch them (issue 20):
-HF Trainer under ``torchrun`` and ``accelerate launch``, accelerate's two recipes under
-``accelerate launch``, Lightning's recipes under ``strategy="ddp"`` and ``"ddp_spawn"``.
+"""The framework recipes of docs/guides/ (hf-trainer.md, accelerate.md, lightning.md) on two
+processes, launched as users launch them (issue 20): HF Trainer under ``torchrun`` and
+``accelerate launch``, accelerate's two recipes under ``accelerate launch``, Lightning's recipes
+under ``strategy="ddp"`` and ``"ddp_spawn"``.
 
 Each launch runs ``_launch_worker.py`` (the recipe unchanged, gloo on 127.0.0.1, CPU), which
 saves every rank's final parameters, the learning rate of each update and the update count. The
@@ -91,7 +92,8 @@ def _needs(*packages: str) -> None:
 
 @pytest.mark.parametrize("launcher", [_torchrun, _accelerate_launch], ids=["torchrun", "accelerate_launch"])
 def test_hf_trainer_recipe(tmp_path, launcher):
-    """The README's Trainer recipe (AdamW in_backward + AccumFusedCallback), unchanged; the
+    """The Trainer recipe of docs/guides/hf-trainer.md (AdamW in_backward + AccumFusedCallback),
+    unchanged; the
     control is the Trainer with torch.optim.AdamW under the same launch."""
     _needs("transformers", *(["accelerate"] if launcher is _accelerate_launch else []))
     launcher("hf_trainer", tmp_path)
@@ -116,7 +118,8 @@ def test_accelerate_recipes(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_lightning_recipes(tmp_path, strategy):
-    """Lightning's own launcher: the README's recipe (PerUpdateScheduler, per-micro-batch weight)
+    """Lightning's own launcher: the recipe of docs/guides/lightning.md (PerUpdateScheduler,
+    per-micro-batch weight)
     and mode A under accumulate_grad_batches with the loss scaled to the global window's token
     mean. Lightning's DistributedSampler shuffles (seed 0): the truth reads in that order."""
     _needs("lightning", "transformers")

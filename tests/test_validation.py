@@ -62,7 +62,7 @@ def test_accumulation_steps_assigned_later_is_validated_like_the_constructor(nam
 
 @pytest.mark.parametrize("named", [True, False], ids=["named_parameters", "parameters"])
 def test_a_shape_changed_mid_window_is_a_value_error_naming_the_parameter(backend, named):
-    """Issue 29 row 7: a RuntimeError naming the parameter by index only. ValueError as the README
+    """Issue 29 row 7: a RuntimeError naming the parameter by index only. ValueError as the docs
     says; by name where the optimizer was given names; nothing changes."""
     model = make_model()
     params = model.named_parameters() if named else model.parameters()
