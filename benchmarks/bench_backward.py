@@ -27,6 +27,9 @@ its own copy of the parameters, interleaved window by window (the first mover ro
            parameter in its hook without clipping; at the end of backward with clipping)
   fb_only  k x (forward + backward) with hooks that drop each .grad, no optimizer: the floor
            that the model itself costs (not a training loop)
+  plain_python_close  plain with window.ClosingPlan switched off while it runs: its windows
+           close through Window.add_micro_batch and _apply_window (issue 31's before/after of
+           the closing micro-batch, in one run; not in the default set)
 
 Reported per clip setting: median ms/window, interquartile range, median of the per-round
 ratios to native (and ratio of medians), optimizer-side time (also per tensor per window), the
@@ -111,7 +114,7 @@ class Contender:
         if name == "native":
             self.opt = torch.optim.AdamW(self.params, **common, **{impl: True})
             self.label = f"torch.optim.AdamW({impl}=True)" + (f" + clip_grad_norm_({clip})" if clip else "")
-        elif name == "plain":
+        elif name in ("plain", "plain_python_close"):
             self.opt = accum_fused.AdamW(self.params, **common, accumulation_steps=k, max_grad_norm=clip,
                                          backend=backend)
         elif name == "mode_a":
@@ -135,12 +138,24 @@ class Contender:
         return torch.stack([_Probe.apply(p, c) for p, c in zip(self.params, self.coefs)]).sum()
 
     def window(self) -> None:
+        if self.name != "plain_python_close":
+            return self._window()
+        # (issue 31's A/B: the window closed by Window.add_micro_batch and _apply_window, as
+        # before window.ClosingPlan, in the same run)
+        for_window = accum_fused.window.ClosingPlan.for_window
+        accum_fused.window.ClosingPlan.for_window = staticmethod(lambda *args: None)
+        try:
+            self._window()
+        finally:
+            accum_fused.window.ClosingPlan.for_window = for_window
+
+    def _window(self) -> None:
         k, opt, name = self.k, self.opt, self.name
         for i in range(k):
             loss = self.loss()
             if name == "native":
                 (loss / k).backward()
-            elif name == "plain":
+            elif name in ("plain", "plain_python_close"):
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
