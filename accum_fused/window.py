@@ -233,9 +233,15 @@ class Window:
             if present < 0:
                 self.step_table = None
             return False
-        plan = ClosingPlan.for_window(opt, self, table, present) if closing else None
-        if closing and plan is None:
-            return False
+        plan = None
+        if closing:
+            try:
+                plan = ClosingPlan.for_window(opt, self, table, present)
+            finally:
+                if plan is None:  # (refused, or raised: the table must not keep the gradients alive)
+                    table.cpp.drop_checked()
+            if plan is None:
+                return False
         found_inf = self._running_found_inf(found_inf)
         weight = self.enter_weight(weight)
         self._count_micro_batch(opt, weight, found_inf)

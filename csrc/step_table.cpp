@@ -22,6 +22,7 @@
 //                                          (right after a check > 0)
 //     present_grads(), release(clear)      the checked gradients, and taking them without adding
 //                                          (the closing micro-batch folded into the update)
+//     drop_checked()                       not taking them after all
 //     mark_live(params), reset_live(), live_count
 //     conforms()                           every buffer still fits its parameter (Window.conform's check)
 #include <torch/extension.h>
@@ -186,6 +187,13 @@ struct StepTable {
     return newly_live;
   }
 
+  // The gradients found by the last check are not the table's to take after all (a closing
+  // micro-batch window.ClosingPlan refuses): let go of them, so that freeing .grad frees them.
+  void drop_checked() {
+    present.clear();
+    grads.clear();
+  }
+
   // Window.accumulate (Python) made these live: the table follows.
   void mark_live(const std::vector<Tensor>& made_live) {
     for (const Tensor& p : made_live) {
@@ -229,6 +237,7 @@ void register_step_table(py::module& m) {
            py::arg("norm_weight_sum") = py::none())
       .def("present_grads", &StepTable::present_grads)
       .def("release", &StepTable::release, py::arg("clear"))
+      .def("drop_checked", &StepTable::drop_checked)
       .def("mark_live", &StepTable::mark_live, py::arg("params"))
       .def("reset_live", &StepTable::reset_live)
       .def("conforms", &StepTable::conforms)

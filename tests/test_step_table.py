@@ -321,3 +321,21 @@ def test_the_plan_follows_a_loaded_state(monkeypatch):
         _, spec_end = _run_windows(m, True, between=between)
     assert counted.closed >= 4
     _assert_same(end, spec_end)
+
+
+def test_a_closing_micro_batch_the_plan_refuses_is_not_kept_alive(monkeypatch):
+    # side has no gradient in the closing micro-batch: the plan refuses it after the table's
+    # check found the others' gradients; the table must let go of them, or one micro-batch's
+    # gradients stay alive into the next window.
+    import weakref
+
+    counted = Counted(monkeypatch, off=False)
+    model = Net()
+    opt = accum_fused.AdamW(model.parameters(), lr=1e-2, accumulation_steps=2)
+    for i, (x, y) in enumerate(_batches(6)):
+        ((model(x, use_side=i % 2 == 0) - y) ** 2).mean().backward()
+        grad = weakref.ref(model.body[0].weight.grad)
+        opt.step()
+        opt.zero_grad()
+        assert grad() is None, f"micro-batch {i}: its gradient is still alive after step()"
+    assert counted.closed == 0 and opt.update_count == 3
