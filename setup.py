@@ -167,8 +167,10 @@ setup(
                  "griffelib==2.4.1", "pymdown-extensions==13.1.2", "ruff==0.17.6"],
         # expecttest: torch.testing._internal (PyTorch's own test_optim.py, tests/upstream) imports it.
         # build: CI's sdist smoke test (.ci/sdist_smoke.sh: python -m build --sdist --no-isolation).
-        "test": ["pytest>=7", "numpy", "tqdm", "matplotlib", "triton", "expecttest", "build", HF_TRANSFORMERS,
-                 HF_ACCELERATE, LIGHTNING],
+        # pytest-xdist: the suite runs on every core (-n auto --dist loadfile: a file's tests, and its
+        # module fixtures, stay in one worker).
+        "test": ["pytest>=7", "pytest-xdist>=3.5", "numpy", "tqdm", "matplotlib", "triton", "expecttest", "build",
+                 HF_TRANSFORMERS, HF_ACCELERATE, LIGHTNING],
     },
     **_extension_options(),
 )
