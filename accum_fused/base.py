@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import warnings
 from collections import defaultdict
 from typing import Any, Callable
@@ -473,6 +474,23 @@ class AccumulatingOptimizer:
         """Per parameter, an extra key for parameters that cannot share one backend call (none by
         default)."""
         return [None] * len(params)
+
+    # ``_state_lists``' lists of state tensors, by the state entry each holds (per class)
+    _kept_state_entries: dict[str, str] = {}
+
+    def _state_lists_stand(self, params: list[Tensor], lists: dict[str, list]) -> bool:
+        """Whether ``lists`` (``_state_lists(group, params)``, kept by window.ClosingPlan) still
+        hold the state's own tensors: a state dict or entry replaced by hand (``opt.state[p] =
+        {}``, ``opt.state[p]["exp_avg"] = t``) makes them stale, as torch.optim would read the
+        new one. Identity checks only: no tensor is read."""
+        states = list(map(self.state.get, params))
+        if not all(map(operator.is_, states, lists["states"])):
+            return False
+        for name, key in self._kept_state_entries.items():
+            kept = lists[name]
+            if kept and not all(map(operator.is_, [state.get(key) for state in states], kept)):
+                return False
+        return True
 
     def _uniform_call_key(self, lists: dict[str, list]) -> bool:
         """Whether the parameters of ``_state_lists``'s ``lists`` share one call key (see

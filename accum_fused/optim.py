@@ -158,6 +158,7 @@ class SGD(_Bf16Rounding, AccumulatingOptimizer, torch.optim.SGD):
     """
 
     _wide_state_keys = ("momentum_buffer",)
+    _kept_state_entries = {"momentum_buffers": "momentum_buffer"}
 
     def __init__(self, params, lr: float | Tensor = 1e-3, momentum: float = 0, dampening: float = 0,
                  weight_decay: float | Tensor = 0, nesterov: bool = False, *, maximize: bool = False,
@@ -192,9 +193,10 @@ class SGD(_Bf16Rounding, AccumulatingOptimizer, torch.optim.SGD):
         """The per-parameter tensors of one ``_update`` call (window.ClosingPlan keeps them
         while the optimizer state stays the same: not while a momentum buffer is still None)."""
         # .get on the defaultdict: SGD without momentum keeps no per-parameter entry, as torch.
-        return dict(params=[kernel_view(p) for p in params],
-                    momentum_buffers=[kernel_view(b) if b is not None else None
-                                      for b in (self.state.get(p, {}).get("momentum_buffer") for p in params)])
+        states = [self.state.get(p) for p in params]
+        return dict(states=states, params=[kernel_view(p) for p in params],
+                    momentum_buffers=[None if s is None or s.get("momentum_buffer") is None
+                                      else kernel_view(s["momentum_buffer"]) for s in states])
 
     def _update(self, backend, group, params, buffers, lists=None, **window) -> None:
         hyper = self._hyperparameters(group)
@@ -217,6 +219,8 @@ class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
     """
 
     _wide_state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    _kept_state_entries = {"steps": "step", "exp_avgs": "exp_avg", "exp_avg_sqs": "exp_avg_sq",
+                           "max_exp_avg_sqs": "max_exp_avg_sq"}
 
     def __init__(self, params, lr: float | Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0, amsgrad: bool = False, *, foreach: bool | None = None,
@@ -273,7 +277,7 @@ class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
         """The per-parameter tensors of one ``_update`` call (window.ClosingPlan keeps them
         while the optimizer state stays the same)."""
         states = [self._init_param_state(p, group) for p in params]
-        return dict(steps=[s["step"] for s in states], params=[kernel_view(p) for p in params],
+        return dict(states=states, steps=[s["step"] for s in states], params=[kernel_view(p) for p in params],
                     exp_avgs=[kernel_view(s["exp_avg"]) for s in states],
                     exp_avg_sqs=[kernel_view(s["exp_avg_sq"]) for s in states],
                     max_exp_avg_sqs=[kernel_view(s["max_exp_avg_sq"]) for s in states] if group["amsgrad"] else [])

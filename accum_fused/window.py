@@ -628,8 +628,9 @@ class ClosingPlan:
     param group of one dtype and one call key (Adam's step count). The per-parameter lists of
     the update calls (``opt._state_lists``) are kept on the step table while the optimizer
     state is the same dict with the same entries and the groups' list-shaping flags stand
-    (``load_state_dict`` replaces the dict; what moves state makes the table stale). A state
-    tensor swapped by hand into ``opt.state[p]`` is not seen: load a state_dict instead."""
+    (``load_state_dict`` replaces the dict; what moves state makes the table stale) and every
+    kept tensor is still the one its state entry holds (``opt._state_lists_stand``: a state
+    replaced by hand is read anew, as torch.optim reads it)."""
 
     def __init__(self, table: StepTable, calls: list, cacheable: bool) -> None:
         self.table, self.calls, self.cacheable = table, calls, cacheable
@@ -665,7 +666,8 @@ class ClosingPlan:
     def current(self, opt) -> bool:
         # (the state dict itself, not its id: a loaded one may reuse a freed one's address)
         key = ClosingPlan.state_key(opt)
-        return self.key is not None and self.key[0] is key[0] and self.key[1:] == key[1:]
+        return (self.key is not None and self.key[0] is key[0] and self.key[1:] == key[1:]
+                and all(opt._state_lists_stand(params, lists) for _, params, _, lists, _, _ in self.calls))
 
     @staticmethod
     def state_key(opt) -> tuple:

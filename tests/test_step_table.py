@@ -339,3 +339,23 @@ def test_a_closing_micro_batch_the_plan_refuses_is_not_kept_alive(monkeypatch):
         opt.zero_grad()
         assert grad() is None, f"micro-batch {i}: its gradient is still alive after step()"
     assert counted.closed == 0 and opt.update_count == 3
+
+
+@pytest.mark.parametrize("swap", ["entry", "dict"])
+def test_the_plan_follows_state_replaced_by_hand(monkeypatch, swap):
+    # torch.optim reads opt.state at every step, so a state entry or dict replaced by hand
+    # between windows is what the next update must use; the kept lists must not update the old.
+    def between(opt, w):
+        if w == 3:
+            p = next(iter(opt.state))
+            if swap == "entry":
+                opt.state[p]["exp_avg"] = torch.full_like(opt.state[p]["exp_avg"], 0.5)
+            else:
+                opt.state[p] = {key: value.clone() if key == "step" else value * 2
+                                for key, value in opt.state[p].items()}
+
+    counted, end = _run_windows(monkeypatch, False, between=between)
+    with monkeypatch.context() as m:
+        _, spec_end = _run_windows(m, True, between=between)
+    assert counted.closed >= 4
+    _assert_same(end, spec_end)
