@@ -460,16 +460,16 @@ class Window:
         weight_sum, skip, clip_coef = self._agree(opt, flushing)
         # An empty window (no gradient anywhere: no micro-batch on any rank, or only None grads)
         # is not an update, as torch.optim's step without gradients changes nothing.
-        applied = not skip and weight_sum > 0 and bool(self.live or last_pairs or plan)
+        applied = not skip and weight_sum > 0 and bool(self.live or last_pairs)
         closed = False
         try:
-            if plan is not None and applied:
-                plan.update(opt, self, last_weight, grad_scale, weight_sum)
-                self.update_count += 1
-            elif applied:
-                if opt.max_grad_norm is not None and clip_coef is None:
-                    clip_coef = self._clip_coefficient(opt, weight_sum, norms or {})
-                opt._apply_window(dict(last_pairs), last_weight, grad_scale, weight_sum, clip_coef)
+            if applied:
+                if plan is not None:
+                    plan.update(opt, self, last_weight, grad_scale, weight_sum)
+                else:
+                    if opt.max_grad_norm is not None and clip_coef is None:
+                        clip_coef = self._clip_coefficient(opt, weight_sum, norms or {})
+                    opt._apply_window(dict(last_pairs), last_weight, grad_scale, weight_sum, clip_coef)
                 self.update_count += 1
             closed = True
         finally:
@@ -626,11 +626,10 @@ class ClosingPlan:
     the case training loops give, where every parameter of the table has a gradient in the
     closing micro-batch, all of them live in the window (or none: accumulation_steps=1), each
     param group of one dtype and one call key (Adam's step count). The per-parameter lists of
-    the update calls (``opt._state_lists``) are kept on the step table while the optimizer
-    state is the same dict with the same entries and the groups' list-shaping flags stand
-    (``load_state_dict`` replaces the dict; what moves state makes the table stale) and every
-    kept tensor is still the one its state entry holds (``opt._state_lists_stand``: a state
-    replaced by hand is read anew, as torch.optim reads it)."""
+    the update calls (``opt._state_lists``) are kept on the step table while the groups'
+    list-shaping flags stand and every kept tensor is still the one its state entry holds
+    (``opt._state_lists_stand``: a state loaded, or replaced by hand, is read anew, as
+    torch.optim reads it)."""
 
     def __init__(self, table: StepTable, calls: list, cacheable: bool) -> None:
         self.table, self.calls, self.cacheable = table, calls, cacheable
@@ -657,24 +656,21 @@ class ClosingPlan:
             plan = ClosingPlan.build(opt, win, table)
             if plan is None:
                 return None
-            plan.key = ClosingPlan.state_key(opt)  # (after the build, which creates missing state)
+            plan.key = ClosingPlan.state_key(opt)
             table.closing_plan = plan if plan.cacheable else None
         if not all(opt._uniform_call_key(lists) for _, _, _, lists, _, _ in plan.calls):
             return None
         return plan
 
     def current(self, opt) -> bool:
-        # (the state dict itself, not its id: a loaded one may reuse a freed one's address)
-        key = ClosingPlan.state_key(opt)
-        return (self.key is not None and self.key[0] is key[0] and self.key[1:] == key[1:]
-                and all(opt._state_lists_stand(params, lists) for _, params, _, lists, _, _ in self.calls))
+        return self.key == ClosingPlan.state_key(opt) and all(
+            opt._state_lists_stand(params, lists) for _, params, _, lists, _, _ in self.calls)
 
     @staticmethod
     def state_key(opt) -> tuple:
-        """What the kept lists depend on beyond the step table: the state dict and its entries,
-        and the group flags that add lists (amsgrad, momentum)."""
-        return (opt.state, len(opt.state),
-                tuple((group.get("amsgrad"), group.get("momentum", 0) != 0) for group in opt.param_groups))
+        """What the kept lists' shape depends on beyond the step table: the group flags that add
+        lists (amsgrad, momentum). Their tensors are checked by identity (``_state_lists_stand``)."""
+        return tuple((group.get("amsgrad"), group.get("momentum", 0) != 0) for group in opt.param_groups)
 
     @staticmethod
     def build(opt, win: Window, table: StepTable) -> ClosingPlan | None:
