@@ -14,6 +14,7 @@ outside ``_window``.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import operator
@@ -28,7 +29,7 @@ from . import backends, checkpoint, ddp, distributed, in_backward as hooks
 from .checkpoint import called_from_torch_checkpoint
 from .integrations import guard
 from .layout import is_dtensor, kernel_view, state_dtype
-from .window import Window, WindowListeners
+from .window import KeptUpdates, Window, WindowListeners
 
 
 def _check_weight(weight) -> float:
@@ -452,6 +453,10 @@ class AccumulatingOptimizer:
         group, in ``_update`` calls that share (device, dtype), the call key (Adam's step count)
         and how the last micro-batch folds in."""
         win = self._window
+        if not last_grads:  # (every parameter live: the kept lists, one call per group)
+            kept = KeptUpdates.for_window(self, win, build=True)
+            if kept is not None and kept.update(self, win, weight_sum, clip_coef):
+                return
         for group in self.param_groups:
             # (a parameter without a gradient all window is left alone, as torch leaves it)
             params = [p for p in group["params"] if p in win.live or p in last_grads]
@@ -488,7 +493,13 @@ class AccumulatingOptimizer:
             return False
         for name, key in self._kept_state_entries.items():
             kept = lists[name]
-            if kept and not all(map(operator.is_, [state.get(key) for state in states], kept)):
+            if not kept:
+                continue
+            try:  # (map over dict.get: no Python frame per parameter)
+                entries = list(map(dict.get, states, itertools.repeat(key)))
+            except TypeError:  # (a parameter without a state dict)
+                entries = [None if state is None else state.get(key) for state in states]
+            if not all(map(operator.is_, entries, kept)):
                 return False
         return True
 

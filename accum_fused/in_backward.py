@@ -24,6 +24,7 @@ Each hook holds its optimizer weakly: when the optimizer is collected, its hooks
 """
 from __future__ import annotations
 
+import operator
 import warnings
 import weakref
 from typing import Callable
@@ -54,6 +55,7 @@ class BackwardPass:
         self.fold = fold  # update each parameter inside its hook
         self.seen: set[Tensor] = set()
         self.done: set[Tensor] = set()
+        self.done_slots: set[int] = set()  # (the extension's, by slot: ``updated``)
         # The last micro-batch of a clipped window on one rank: each accumulate pass also returns
         # its parameter's window-gradient norm (no separate norm pass over the window).
         self.norms: dict[Tensor, Tensor] | None = {} if measure_norms else None
@@ -68,12 +70,24 @@ class BackwardPass:
         # Parameters whose gradient of this pass is in the window (added, started or folded):
         # what a failed run() pass keeps (recovery.py).
         self.completed: set[Tensor] = set()
-        # The extension's hooks' plain additions (no norm), by slot (FastPath.take_records): seen
-        # and completed too, kept as ints so that a pass costs no Python work per such parameter.
-        self.added_slots: set[int] = set()
+        # What the extension's hooks added or adopted, by slot (FastPath.take_records): seen and
+        # completed too, kept as ints so that a pass costs no Python work per such parameter; and
+        # the norms their additions measured (the window's last micro-batch, clipped), by slot.
+        self.taken_slots: set[int] = set()
+        self.slot_norms: dict[int, Tensor] = {}
+        # Gradients of this pass that in_backward.py's Python joined (the first one, which arms
+        # the extension, and any it handed back): FastPath.take_records keeps the extension's
+        # lists for the next pass only when this is 1.
+        self.python_joins = 0
+
+    def updated(self, fast_path: FastPath | None) -> set[Tensor]:
+        """The parameters updated inside their hooks in this pass."""
+        if not self.done_slots:
+            return self.done
+        return self.done.union(map(fast_path.params.__getitem__, self.done_slots))
 
     def any_seen(self) -> bool:
-        return bool(self.seen or self.added_slots)
+        return bool(self.seen or self.taken_slots)
 
     def failed(self) -> bool:
         return self.ender is not None and self.ender() is None
@@ -143,10 +157,20 @@ class FastPath:
         self._hook_class = extension.FastHook
         self.params: list[Tensor] = []  # by slot
         self.slot_of: dict[Tensor, int] = {}
-        # What the last arm that folded nothing was computed from (the extension keeps its lists):
-        # a pass that finds the window as that one did (the middle micro-batches of a window)
-        # arms them again (``rearm``) instead of a Python loop over the parameters.
+        # The window the extension's lists are true to (``_key``), when the last arm folded
+        # nothing: a pass that finds the window so (the middle micro-batches of a window) arms
+        # them again (``rearm``) instead of a Python loop over the parameters. The extension
+        # advances them as each slot takes its gradient (a slot that adopted or wrote its buffer
+        # then adds), so a pass in which nothing else changed the window leaves them true to the
+        # window as it ends (take_records re-keys them).
         self._armed: tuple | None = None
+        self._armed_pass: tuple | None = None  # (first parameter, may_adopt) of the pass they were armed for
+        # The window the last window-start lists were built for (no buffer live), short of what
+        # only the extension changes (adoptions, live flags): a new window arms them again
+        # (``rearm_start``; the extension drops the buffers adopted since) while the buffers
+        # kept between windows (``Window.buffers_version``) are as they were.
+        self._start_key: tuple | None = None
+        self._slots_of: tuple | None = None  # (parameters, their slots): slots_of
 
     @staticmethod
     def for_optimizer(opt) -> FastPath | None:
@@ -177,11 +201,21 @@ class FastPath:
         # moves with every buffer allocated, adopted or replaced and with every new window; the
         # live set only grows within a window, so its size tells), adoption. Complete parameters
         # and folds are not cached.
-        key = (len(self.params), id(first), win.version, len(win.live), may_adopt, id(win.buffers))
-        if fold is None and not complete and self._armed == key:
-            self.state.rearm(mb.weight, mb.weight_sum if mb.norms is not None else None, mb.weight_sum)
+        key = self._key(win, first, may_adopt)
+        self._armed_pass = None
+        norm_weight_sum = mb.weight_sum if mb.norms is not None else None
+        window_start = fold is None and not complete and not win.live
+        start_key = self._start_key_of(win, first, may_adopt) if window_start else None
+        if fold is None and not complete and (
+                self._armed == key
+                or (start_key is not None and start_key == self._start_key and self.state.rearm_start(mb.weight, norm_weight_sum, mb.weight_sum))):
+            if self._armed == key:
+                self.state.rearm(mb.weight, norm_weight_sum, mb.weight_sum)
+            self._armed_pass = (first, may_adopt)
             return
         self._armed = None
+        if fold is not None and not complete and self._arm_folds_from_kept(opt, mb, first):
+            return
         slots, modes, buffers = [], [], []
         if fold is not None:
             fold.read_step_counts(opt, self.params)
@@ -205,39 +239,123 @@ class FastPath:
         if not slots:
             return
         fold = fold or _FoldArgs()
-        self.state.arm(mb.weight, mb.weight_sum if mb.norms is not None else None, mb.weight_sum, slots, modes,
-                       buffers, fold.specs, fold.spec_of, fold.overwrite, *fold.states)
+        self.state.arm(mb.weight, norm_weight_sum, mb.weight_sum, slots, modes, buffers, fold.specs, fold.spec_of,
+                       fold.overwrite, *fold.states, window_start=window_start)
         if not fold.specs and not complete:
             self._armed = key  # (the extension keeps the lists: rearm)
+            self._armed_pass = (first, may_adopt)
+            if window_start:
+                self._start_key = start_key
+
+    def _arm_folds_from_kept(self, opt, mb: BackwardPass, first: Tensor) -> bool:
+        """``arm`` for a pass that folds every parameter's update into its hook, from the
+        update's kept lists (window.KeptUpdates: every parameter live, the state standing) with
+        no Python loop over the parameters: what ``_FoldArgs`` would find for each, where each
+        group shares one step count and runs on the cpp backend. False, with nothing armed, where
+        the loop must do it."""
+        from .backends import cpp_backend
+        from .window import KeptUpdates
+        win = opt._window
+        # (built here once every parameter has state: a first update creates it in Python)
+        kept = KeptUpdates.for_window(opt, win, build=len(opt.state) >= len(win.live))
+        if kept is None or not hasattr(opt, "_hyperparameters"):
+            return False
+        params = opt._all_params()
+        slots = list(self.slots_of(params))
+        if None in slots:
+            return False
+        specs, spec_of, states = [], [], ([], [], [], [])
+        for group, group_params, lists, backend in kept.calls:
+            n = len(group_params)
+            if backend is not cpp_backend or not opt._uniform_call_key(lists):
+                return False
+            if group_params[0].dtype == torch.bfloat16 and group.get("bf16_update", "nearest") != "nearest":
+                return False  # (rounding state and keys: Python's _update)
+            hyper = opt._hyperparameters(group)
+            if "beta1" in hyper:  # Adam, AdamW (Adam._update counts this update first)
+                count = int(lists["steps"][0].item()) + 1
+                specs.append(dict(kind="adam", **cpp_backend.adam_scalars(step=count, **hyper)))
+                columns = (lists["exp_avgs"], lists["exp_avg_sqs"], lists["max_exp_avg_sqs"] or [None] * n,
+                           lists["steps"])
+            else:  # SGD (kept lists exist only once its momentum buffers do)
+                specs.append(dict(kind="sgd", **cpp_backend.sgd_scalars(**hyper)))
+                columns = (lists["momentum_buffers"], [None] * n, [None] * n, [None] * n)
+            spec_of += [len(specs) - 1] * n
+            for column, values in zip(states, columns):
+                column += values
+        buffers = list(map(win.buffers.__getitem__, params))
+        lists = [slots, buffers, spec_of, *states]
+        at = slots.index(self.slot_of[first]) if first in self.slot_of else None
+        if at is not None:  # (the first gradient is Python's)
+            for values in lists:
+                del values[at]
+        n = len(slots)
+        self.state.arm(mb.weight, None, mb.weight_sum, slots, [_FOLD] * n, buffers, specs, spec_of, [False] * n,
+                       *states, window_start=False)
+        return True
+
+    def _key(self, win, first: Tensor, may_adopt: bool) -> tuple:
+        return (len(self.params), id(first), win.version, len(win.live), may_adopt, id(win.buffers))
+
+    def _start_key_of(self, win, first: Tensor, may_adopt: bool) -> tuple:
+        return (len(self.params), id(first), win.buffers_version, may_adopt, id(win.buffers))
 
     def take_records(self, opt, mb: BackwardPass, end: bool = False) -> None:
         """Record in the window and in ``mb`` what the extension did since the last call;
-        ``end``: the pass is over (ended or failed), disarm."""
+        ``end``: the pass is over (ended or failed), disarm. The common records (additions, with
+        or without a norm, and adoptions) come as lists: set and dict updates, no Python loop."""
         if not self.state.armed:
             return
-        added, slots, modes, norms, adopted = self.state.drain()
+        added, normed, norms, adopted, grads, folded, slots, modes, other_norms = self.state.drain()
         if end:
             self.state.disarm()
-        if added:  # (the common record, plain additions: no Python object per parameter)
-            mb.added_slots.update(added)
+        if added or normed:
+            mb.taken_slots.update(added)
+            mb.taken_slots.update(normed)
+            mb.slot_norms.update(zip(normed, norms))
             mb.added_to_live = True
+        if folded:
+            mb.taken_slots.update(folded)
+            mb.done_slots.update(folded)
         win = opt._window
-        for slot, mode, norm, grad in zip(slots, modes, norms, adopted):
+        if adopted:  # (the window's first micro-batch: autograd's gradients become the buffers)
+            params = list(map(self.params.__getitem__, adopted))
+            mb.taken_slots.update(adopted)
+            mb.started.update(params)
+            win.adopt_many(params, grads)
+        for slot, mode, norm in zip(slots, modes, other_norms):
             p = self.params[slot]
             mb.seen.add(p)
             mb.completed.add(p)
-            if mode == _ADD:
-                mb.added_to_live = True
-            elif mode == _FOLD:
-                mb.done.add(p)
-            else:
-                mb.started.add(p)
-                if mode == _ADOPT:
-                    win.adopt(p, grad)
-                else:
-                    win.mark_written(p)
+            mb.started.add(p)
+            win.mark_written(p)
             if norm is not None:
                 mb.norms[p] = norm
+        if end and self._armed_pass is not None:
+            # A pass whose every other gradient the extension took leaves its lists true to the
+            # window as it is now (the first gradient, Python's, is never in them).
+            first, may_adopt = self._armed_pass
+            self._armed = self._key(win, first, may_adopt) if mb.python_joins == 1 else None
+            self._armed_pass = None
+
+    def slots_of(self, params: list[Tensor]) -> list[int | None]:
+        """Each parameter's slot (None: not hooked here), kept while ``params`` are the same."""
+        kept = self._slots_of
+        if kept is not None and len(kept[0]) == len(params) and all(map(operator.is_, kept[0], params)):
+            return kept[1]
+        slots = [self.slot_of.get(p) for p in params]
+        self._slots_of = (list(params), slots)
+        return slots
+
+    def window_norms(self, opt, mb: BackwardPass) -> list[Tensor | None]:
+        """The norms the pass measured (``mb.norms``, ``mb.slot_norms``), aligned with
+        ``opt._all_params()``: None where none was measured."""
+        params = opt._all_params()
+        norms = list(map(mb.slot_norms.get, self.slots_of(params)))
+        if mb.norms:
+            for i in [i for i, norm in enumerate(norms) if norm is None]:
+                norms[i] = mb.norms.get(params[i])
+        return norms
 
 
 class _FoldArgs:
@@ -314,6 +432,8 @@ def install(opt) -> None:
     """Hooks on every parameter of ``opt`` (construction); ``add_param_group`` adds more."""
     opt._unhooked = []
     opt._fast_path = FastPath.for_optimizer(opt)
+    if opt._fast_path is not None:
+        opt._window.hook_state = opt._fast_path.state  # (let go of its lists when a window ends)
     register_hooks(opt, opt._all_params())
     # Hooks hold the optimizer weakly; when it is collected they go with it (close() earlier).
     opt._releases.append(weakref.finalize(opt, remove_hooks, opt._hook_handles))
@@ -483,24 +603,27 @@ def settle_failed_pass(opt) -> None:
     mb, win.backward_pass = win.backward_pass, None
     if opt._fast_path is not None:
         opt._fast_path.take_records(opt, mb, end=True)
+        opt._fast_path._armed = None  # (what the pass left is settled below: the lists are built anew)
     if win.transaction:
         # run() (recovery.py): what the pass added, it added whole; its retry skips those.
         win.complete |= mb.completed
-        win.complete.update(opt._fast_path.params[slot] for slot in mb.added_slots)
+        if mb.taken_slots:
+            win.complete.update(map(opt._fast_path.params.__getitem__, mb.taken_slots))
         return
     if opt.accumulation_steps == 1 or not mb.any_seen():
         return
-    if mb.done or mb.added_to_live:
+    if mb.done or mb.done_slots or mb.added_to_live:
         lost = win.micro_step
         win.abandon(opt)
-        how = (f"after {len(mb.done)} parameter(s) had been updated inside it" if mb.done
+        updated = mb.updated(opt._fast_path)
+        how = (f"after {len(updated)} parameter(s) had been updated inside it" if updated
                else "after adding gradients to the window's sums")
         warnings.warn(
             f"{type(opt).__name__}(in_backward=True): a backward pass failed {how}, which cannot be taken back "
             f"out; the window was discarded with the {lost} micro-batch(es) it held before, and the next "
             "micro-batch starts a new window", RuntimeWarning, stacklevel=3)
         return
-    win.changed()  # (live shrinks: the step table and the extension's arm lists must not trust its size)
+    win.changed(kept=False)  # (live shrinks: the step table and the extension's arm lists must not trust its size)
     for p in mb.started:
         win.live.discard(p)
         if p in win.adopted:
@@ -560,8 +683,8 @@ def _join_pass(opt, p: Tensor) -> tuple[BackwardPass, bool] | None:
             opt._fast_path.arm(opt, mb, p)
     elif opt._fast_path is not None:
         opt._fast_path.take_records(opt, mb)
-    again = p in mb.seen or bool(mb.added_slots and opt._fast_path.slot_of.get(p) in mb.added_slots)
-    if again and (p in mb.done or (mb.closing and win.sync is not None and not win.transaction)):
+    again = p in mb.seen or bool(mb.taken_slots and opt._fast_path.slot_of.get(p) in mb.taken_slots)
+    if again and (p in mb.done or (mb.done_slots and opt._fast_path.slot_of.get(p) in mb.done_slots) or (mb.closing and win.sync is not None and not win.transaction)):
         # (a parameter used both inside and outside a reentrant checkpoint gets two)
         raise RuntimeError(
             f"{opt._param_name(p)} received a second gradient in the backward pass of the window's last "
@@ -569,6 +692,7 @@ def _join_pass(opt, p: Tensor) -> tuple[BackwardPass, bool] | None:
             "checkpoint(use_reentrant=False), or set max_grad_norm without ranks"
         )
     mb.seen.add(p)
+    mb.python_joins += 1
     return mb, again
 
 
@@ -607,6 +731,8 @@ def _add(opt, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
         mb.norms[p] = norm
     elif mb.norms is not None:
         mb.norms.pop(p, None)
+        if mb.slot_norms:
+            mb.slot_norms.pop(opt._fast_path.slot_of.get(p), None)
     if mb.closing and win.sync is not None and not again and not win.transaction:
         win.sync.grad_ready(p)  # may launch its bucket's all-reduce while backward goes on
 
@@ -651,7 +777,11 @@ def end_pass(opt) -> None:
         _hook_unfrozen(opt)
     mb, win.backward_pass = win.backward_pass, None
     if mb is not None:
-        win.finish_micro_batch(opt, mb.weight, mb.weight_sum, mb.closing, mb.done if mb.fold else None, mb.norms)
+        norms = mb.norms
+        if norms is not None and mb.slot_norms:
+            norms = opt._fast_path.window_norms(opt, mb)
+        win.finish_micro_batch(opt, mb.weight, mb.weight_sum, mb.closing,
+                               mb.updated(opt._fast_path) if mb.fold else None, norms)
         if mb.closing:
             opt._run_step_hooks(post=True)
 

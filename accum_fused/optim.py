@@ -249,6 +249,11 @@ class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
         return [0 if step is None else int(next(values)) for step in steps]
 
     def _uniform_call_key(self, lists: dict[str, list]) -> bool:
+        from . import backends
+        cpp = backends._load("cpp")
+        equal = None if cpp is None else cpp._C.equal_scalars(lists["steps"])  # (CPU step counts: no stack)
+        if equal is not None:
+            return equal
         try:
             steps = torch.stack(lists["steps"])  # (one comparison for all: no .item() per parameter)
         except RuntimeError:  # (step tensors of several dtypes or devices: a loaded, unusual state)

@@ -25,6 +25,7 @@ It holds no reference to the optimizer, so a framework wrapper that copies the o
 from __future__ import annotations
 
 import math
+import operator
 from collections import defaultdict
 
 import torch
@@ -32,7 +33,7 @@ from torch import Tensor
 
 from . import ddp
 from .backends._kernel_args import device_scalar
-from .layout import conform_state, kernel_view, state_dtype
+from .layout import ELEMENTWISE_STATE, conform_state, kernel_view, state_dtype
 
 # Weights are kept in units of 2**shift, shift a multiple of _WEIGHT_BAND, so that any finite
 # positive weight fits the fp32 buffers (uniform 1e-46 weights underflowed fp32 to a zero update,
@@ -121,20 +122,32 @@ class Window:
         self.step_table: StepTable | None = None
         self.table_blocked = False
         self.version = 0
+        # Bumped with ``version`` where buffers kept between windows change (allocated, replaced,
+        # dropped, loaded); not by adoptions, live flags or the buffers a window lets go of
+        # (in_backward.FastPath's window-start lists are true to it).
+        self.buffers_version = 0
+        # The update's per-parameter lists, kept between closes while they stand (KeptUpdates).
+        self.kept_updates: KeptUpdates | None = None
+        # in_backward's extension hooks (csrc/hooks.cpp's HookState), whose lists for the next
+        # pass hold buffers of the window (adopted gradients): let go of when it is emptied.
+        self.hook_state = None
 
     def __getstate__(self) -> dict:
         # (the extension's table is not picklable; a copy builds its own)
-        return {**self.__dict__, "step_table": None, "table_blocked": False}
+        return {**self.__dict__, "step_table": None, "table_blocked": False, "kept_updates": None, "hook_state": None}
 
     def __setstate__(self, state: dict) -> None:
         # An optimizer pickled before out-of-memory recovery (or the step table) has a window without its fields.
         self.__dict__.update(parts_left=0, complete=set(), transaction=False, part_serial=0, closings=0,
-                             step_table=None, table_blocked=False, version=0)
+                             step_table=None, table_blocked=False, version=0, buffers_version=0, kept_updates=None,
+                             hook_state=None)
         self.__dict__.update(state)
 
-    def changed(self) -> None:
-        """``buffers`` or ``live`` changed in a way the step table does not mirror: it is stale."""
+    def changed(self, kept: bool = True) -> None:
+        """``buffers`` or ``live`` changed in a way the step table does not mirror: it is stale.
+        ``kept``: a buffer kept between windows changed (not only adopted ones or live flags)."""
         self.version += 1
+        self.buffers_version += kept
 
     def last_part(self) -> bool:
         """Whether the micro-batch being added ends with this part (see ``parts_left``)."""
@@ -190,6 +203,8 @@ class Window:
                 conform_state(opt.state, params + list(self.live.difference(params)), opt._param_name,
                               opt._state_dtype_of)
                 table.state_conformed = True
+        elif closing and not pairs:  # (in_backward mode A's step(): the window is in the buffers)
+            self.conform_live(opt)
         else:
             params = [p for p, _ in pairs]
             self.conform(opt, params + list(self.live.difference(params)) if closing else params, closing)
@@ -308,7 +323,7 @@ class Window:
         arrives (the extension's hooks take only gradients that fit their buffer and hand the
         others to in_backward.py, which conforms first)."""
         if closing:
-            self.conform(opt, list(self.live), closing)
+            self.conform_live(opt)
         if opt.accumulation_steps == 1:
             self.weight_shift = 0
         else:
@@ -413,11 +428,27 @@ class Window:
         self.live.add(p)
 
     def adopt(self, p: Tensor, grad: Tensor) -> None:
-        """Zero-copy first micro-batch: autograd's fresh gradient becomes ``p``'s buffer."""
-        self.buffers[p] = grad
-        self.adopted.add(p)
-        self.live.add(p)
-        self.changed()
+        """Zero-copy first micro-batch: autograd's fresh gradient becomes ``p``'s buffer (a
+        stale buffer it had is dropped: a kept buffer changed)."""
+        kept = p in self.buffers
+        self.adopt_many([p], [grad])
+        self.buffers_version += kept
+
+    def adopt_many(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        """``adopt`` for each of ``params`` (the extension's hooks adopted them in one pass; it
+        knows which stale buffers they replace)."""
+        self.buffers.update(zip(params, grads))
+        self.adopted.update(params)
+        self.live.update(params)
+        self.changed(kept=False)
+
+    def conform_live(self, opt) -> None:
+        """``conform`` of every live parameter before the window closes: where every parameter
+        is live and the update's lists are kept (KeptUpdates), one extension call checks that
+        nothing needs to follow its parameter, instead of a Python loop over them."""
+        kept = KeptUpdates.for_window(opt, self, build=False)
+        if kept is None or not kept.conforms(opt, self):
+            self.conform(opt, list(self.live), closing=True)
 
     def conform(self, opt, params, closing: bool) -> None:
         """Validate before anything changes. A parameter whose dtype or device changed after
@@ -504,9 +535,14 @@ class Window:
         current = table is not None and table.version == self.version and not self.adopted
         # A new window: what was cached from this one's live set (in_backward.FastPath's arm lists)
         # does not carry over. The step table follows (no live flag), unless it was stale already.
-        self.changed()
-        for p in self.adopted:
-            del self.buffers[p]
+        self.changed(kept=False)
+        if self.hook_state is not None:
+            self.hook_state.new_window()
+        if len(self.adopted) == len(self.buffers) and self.sync is None:
+            self.buffers.clear()  # (every buffer was adopted: no deletion per parameter)
+        else:
+            for p in self.adopted:
+                del self.buffers[p]
         self.adopted.clear()
         self.live.clear()
         if table is not None:
@@ -558,20 +594,37 @@ class Window:
         self.last_grad_norm = total_norm
         return divisor, False, torch.clamp(opt.max_grad_norm / (total_norm + 1e-6), max=1.0)
 
-    def _clip_coefficient(self, opt, weight_sum: float, norms: dict[Tensor, Tensor]) -> Tensor:
+    def _clip_coefficient(self, opt, weight_sum: float, norms: dict[Tensor, Tensor] | list[Tensor | None]) -> Tensor:
         """min(max_grad_norm / (||g|| + 1e-6), 1) on the device, as clip_grad_norm_ computes
-        it. ``norms`` has the per-parameter norms the last accumulate pass produced; the
-        window's other parameters (no gradient in that micro-batch) are measured here."""
-        live = [p for p in opt._all_params() if p in self.live]
+        it. ``norms`` has the per-parameter norms the last accumulate pass produced, by parameter
+        or aligned with ``opt._all_params()`` (None: not measured); the window's other
+        parameters (no gradient in that micro-batch) are measured here."""
+        params = opt._all_params()
+        if isinstance(norms, dict):
+            norms = list(map(norms.get, params))
+        else:
+            norms = list(norms)
+        if len(self.live) == len(params):  # (every parameter is live: no lookup per parameter)
+            live = range(len(params))
+        else:
+            live = [i for i, p in enumerate(params) if p in self.live]
         missing = defaultdict(list)
-        for p in live:
-            if p not in norms:
-                missing[(p.device, p.dtype)].append(p)
-        for params in missing.values():
-            measured = opt._backend_for(params[0]).window_norms(
-                buffers=[kernel_view(self.buffers[p]) for p in params], weight_sum=weight_sum)
-            norms = {**norms, **dict(zip(params, measured.unbind()))}
-        return self.clip_for(opt, torch.linalg.vector_norm(torch.stack([norms[p].to(live[0].device) for p in live])))
+        for i in [i for i in live if norms[i] is None]:
+            missing[(params[i].device, params[i].dtype)].append(i)
+        for indices in missing.values():
+            measured = opt._backend_for(params[indices[0]]).window_norms(
+                buffers=[kernel_view(self.buffers[params[i]]) for i in indices], weight_sum=weight_sum)
+            for i, norm in zip(indices, measured.unbind()):
+                norms[i] = norm
+        values = [norms[i] for i in live]
+        device = params[live[0]].device
+        try:
+            stacked = torch.stack(values)  # (one device, the common case: no .to per parameter)
+        except RuntimeError:  # (parameters spread over several devices)
+            stacked = None
+        if stacked is None or stacked.device != device:
+            stacked = torch.stack([norm.to(device) for norm in values])
+        return self.clip_for(opt, torch.linalg.vector_norm(stacked))
 
     def clip_for(self, opt, total_norm: Tensor) -> Tensor:
         """The clip coefficient for the window's gradient norm (kept as ``last_grad_norm``)."""
@@ -713,6 +766,86 @@ class ClosingPlan:
                             grad_scale=grad_scale)
             opt._update(backend, group, params, buffers, lists=lists, weight_sum=weight_sum, clip_coef=clip_coef,
                         **last)
+
+
+class KeptUpdates:
+    """Per param group, the arguments of one ``opt._update`` call besides the buffers and the
+    window's scalars (``opt._state_lists``), kept on the window between closes, for windows in
+    which every parameter is live: ``_apply_window`` then updates each group in one call without
+    a Python loop over its parameters (issue 31: the in-backward modes' close), and one
+    extension call checks that the buffers and state fit their parameters (``conforms``, instead
+    of Window.conform's loop). Kept while they stand: the param groups hold the same parameters
+    in the same order, the groups' list-shaping flags stand (``ClosingPlan.state_key``) and every
+    kept state tensor is the one its entry holds (``_state_lists_stand``). Built only where each
+    group is of one dtype and one device, its parameters plain tensors, and no state is missing
+    (SGD's momentum buffers exist after its first update)."""
+
+    def __init__(self, calls: list, key: tuple) -> None:
+        self.calls, self.key = calls, key  # calls: (group, params (a copy), lists, backend)
+        self.count = sum(len(params) for _, params, _, _ in calls)
+
+    @staticmethod
+    def for_window(opt, win: Window, build: bool) -> KeptUpdates | None:
+        """The kept lists, when every parameter is live in ``win`` and they stand; else built
+        anew where ``build`` (the update creates the state they hold) and they can be."""
+        if not hasattr(opt, "_state_lists") or win.shards is not None:
+            return None
+        kept = win.kept_updates
+        if kept is not None and len(win.live) == kept.count and kept.stand(opt):
+            return kept
+        win.kept_updates = None
+        if not build:
+            return None
+        calls = []
+        for group in opt.param_groups:
+            params = list(group["params"])
+            if not params:
+                continue
+            first = params[0]
+            if any(p.dtype != first.dtype or p.device != first.device or kernel_view(p) is not p for p in params):
+                return None
+            lists = opt._state_lists(group, params)
+            if any(t is None for values in lists.values() for t in values):
+                return None  # (state that the update creates: read again at the next close)
+            calls.append((group, params, lists, opt._backend_for(first)))
+        kept = KeptUpdates(calls, ClosingPlan.state_key(opt))
+        if len(win.live) != kept.count:
+            return None
+        win.kept_updates = kept
+        return kept
+
+    def stand(self, opt) -> bool:
+        groups = [group for group in opt.param_groups if group["params"]]
+        return (self.key == ClosingPlan.state_key(opt) and len(groups) == len(self.calls)
+                and all(group is kept_group and len(group["params"]) == len(params)
+                        and all(map(operator.is_, group["params"], params))
+                        and opt._state_lists_stand(params, lists)
+                        for group, (kept_group, params, lists, _) in zip(groups, self.calls)))
+
+    def conforms(self, opt, win: Window) -> bool:
+        """Whether Window.conform and conform_state would change nothing for the window's live
+        parameters (all of them): one extension call per group."""
+        from . import backends
+        cpp = backends._load("cpp")
+        if cpp is None:
+            return False
+        for _, params, lists, _ in self.calls:
+            tensors = [list(map(win.buffers.__getitem__, params))]
+            tensors += [lists[name] for name, key in opt._kept_state_entries.items()
+                        if key in ELEMENTWISE_STATE and lists[name]]
+            if not cpp._C.state_fits(params, tensors):
+                return False
+        return True
+
+    def update(self, opt, win: Window, weight_sum: float, clip_coef: Tensor | None) -> bool:
+        """``opt._apply_window`` without a last micro-batch to fold in: one ``_update`` per group;
+        False, with nothing changed, where a group's parameters do not share a call key."""
+        if not all(opt._uniform_call_key(lists) for _, _, lists, _ in self.calls):
+            return False
+        for group, params, lists, backend in self.calls:
+            opt._update(backend, group, params, list(map(win.buffers.__getitem__, params)), lists=lists,
+                        weight_sum=weight_sum, clip_coef=clip_coef)
+        return True
 
 
 def window_listeners(opt) -> WindowListeners:

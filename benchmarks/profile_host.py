@@ -92,4 +92,4 @@ if "prof" in sys.argv:
     profile.enable()
     window()
     profile.disable()
-    pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+    pstats.Stats(profile).sort_stats(os.environ.get("SORT", "tottime")).print_stats(int(os.environ.get("ROWS", 14)))

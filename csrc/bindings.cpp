@@ -190,6 +190,51 @@ std::vector<int64_t> layout_mismatches(const TensorList& tensors, const TensorLi
   return out;
 }
 
+// Whether every tensor of every list fits the parameter at its index as Window.conform and
+// layout.conform_state require (no-op there): state_dtype(param) -- fp32 for fp32, bf16 and fp16
+// parameters, fp64 for fp64 --, the parameter's device and shape. Undefined tensors fit. One
+// call instead of a Python loop over the parameters at every window's close (in_backward).
+bool state_fits(const TensorList& params, const std::vector<TensorList>& lists) {
+  for (const TensorList& list : lists) {
+    if (list.size() != params.size()) return false;
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Tensor& p = params[i];
+    at::ScalarType wanted;
+    switch (p.scalar_type()) {
+      case at::kFloat: case at::kBFloat16: case at::kHalf: wanted = at::kFloat; break;
+      case at::kDouble: wanted = at::kDouble; break;
+      default: return false;  // (complex and other dtypes: the Python check)
+    }
+    for (const TensorList& list : lists) {
+      const Tensor& t = list[i];
+      if (t.defined() && (t.scalar_type() != wanted || t.device() != p.device() || t.sizes() != p.sizes())) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Whether every tensor holds the same single value, for one-element CPU tensors of one floating
+// dtype (Adam's step counts: one read each, where torch.stack and a comparison cost ~1 us per
+// tensor); None for anything else (the caller compares them with torch).
+std::optional<bool> equal_scalars(const TensorList& tensors) {
+  if (tensors.empty()) return true;
+  const at::ScalarType dtype = tensors[0].scalar_type();
+  if (dtype != at::kFloat && dtype != at::kDouble) return std::nullopt;
+  std::optional<double> first;
+  bool equal = true;
+  for (const Tensor& t : tensors) {
+    if (!t.defined() || !t.device().is_cpu() || t.scalar_type() != dtype || t.numel() != 1) return std::nullopt;
+    const double value = dtype == at::kFloat ? static_cast<double>(*t.const_data_ptr<float>())
+                                             : *t.const_data_ptr<double>();
+    if (!first.has_value()) first = value;
+    equal &= value == *first;
+  }
+  return equal;
+}
+
 // The kernels write through raw pointers, which autograd does not see: every tensor a call
 // writes in place gets its version counter bumped, as torch's in-place ops do, so that a
 // backward that saved one of them (a GAN's `out = D(x)` kept across an update) raises
@@ -411,6 +456,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("cpu_kernel_variant", &cpu::kernel_variant, "The CPU kernel build in use: AVX2 or DEFAULT");
   m.def("layout_mismatches", &layout_mismatches, py::arg("tensors"), py::arg("buffers"));
+  m.def("state_fits", &state_fits, py::arg("params"), py::arg("lists"));
+  m.def("equal_scalars", &equal_scalars, py::arg("tensors"));
   m.def("accumulate", &accumulate, py::arg("grads"), py::arg("buffers"), py::arg("weight"), py::arg("overwrite"),
         py::arg("grad_scale"), py::arg("norm_weight_sum"), py::call_guard<py::gil_scoped_release>());
   m.def("window_norms", &window_norms, py::arg("buffers"), py::arg("weight_sum"),

@@ -19,9 +19,19 @@
 //
 //   HookState  one per optimizer; slot i = the i-th hooked parameter
 //     arm(...)   see HookState::arm; the current graph task becomes the armed one
-//     rearm(...)  arm again with the last arm's lists (one that folded nothing), new scalars
-//     drain() -> (slots of plain additions, other slots, what was done there, norms, adopted
-//                gradients)  since the last drain
+//     rearm(...)  arm again with the last arm's lists (one that folded nothing) as its pass left
+//                them (a slot that took its gradient is then live: ADD, into the buffer it
+//                adopted or wrote), new scalars
+//     forget()   let go of those lists' buffers
+//     new_window()  the window ended: the lists become the last window-start arm's (`arm`'s
+//                window_start), less the buffers adopted since (the window lets go of them), for
+//                `rearm_start`; adopted gradients are let go of
+//     rearm_start(...) -> bool  rearm with those, once per new_window
+//     fallbacks  gradients of armed passes handed to `fallback`, in all
+//     drain() -> (slots of plain additions; slots of additions that measured a norm, and the
+//                norms; slots that adopted their gradient, and those gradients; slots that
+//                folded; other slots, what was done there and its norm)  since the last drain: lists, so that in_backward.py
+//                records a pass in set and dict updates, with no Python work per parameter
 //     disarm()   the pass ended (or failed)
 //     taken      gradients taken here, in all (tests count them)
 //   FastHook(state, slot, fallback)  the hook registered on a parameter
@@ -86,12 +96,34 @@ struct Slot {
   bool overwrite = false;  // FOLD: the buffer is stale (the window's only gradient is this one)
   Tensor state0, state1, state2, step;  // exp_avg / momentum_buffer, exp_avg_sq, max_exp_avg_sq
   int64_t seen_task = -1;  // the armed graph task this slot was last taken in
+  // What `rearm` arms this slot with: the last non-folding arm's mode and buffer, advanced as
+  // the slot takes its gradient (then it is live: ADD into the buffer it adopted or wrote).
+  int64_t next_mode = kNone;
+  Tensor next_buffer;
+  // Its mode and buffer in the last arm of a window's start (no buffer live), and whether it
+  // adopted a gradient in this window (its start buffer is then gone): new_window's lists.
+  int64_t start_mode = kNone;
+  Tensor start_buffer;
+  bool adopted_in_window = false;
+
+  void disarm() {
+    mode = kNone;
+    buffer = Tensor();
+    spec = -1;
+    overwrite = false;
+    state0 = state1 = state2 = step = Tensor();
+  }
 };
 
 struct Taken {
   std::vector<int64_t> added;  // ADD without a norm: the common record, only its slot
-  std::vector<int64_t> slots, modes;
-  std::vector<std::optional<Tensor>> norms, adopted;
+  std::vector<int64_t> normed;  // ADD with a norm (a clipped window's last micro-batch), and the norms
+  std::vector<Tensor> norms;
+  std::vector<int64_t> adopted;  // ADOPT done (the window's first micro-batch), and the gradients
+  std::vector<Tensor> grads;
+  std::vector<int64_t> folded;  // FOLD done
+  std::vector<int64_t> slots, modes;  // the rest (OVERWRITE), with a norm or none
+  std::vector<std::optional<Tensor>> other_norms;
 };
 
 bool is_float(const Tensor& t) {
@@ -108,10 +140,14 @@ struct HookState {
   std::vector<FoldSpec> specs;
   Taken taken_now;  // since the last drain
   int64_t taken = 0;
-  // The last arm's lists when it folded nothing: `rearm` arms them again (in_backward.py's
-  // FastPath reuses a pass's lists for the next pass that finds the window unchanged).
-  std::vector<int64_t> last_slots, last_modes;
-  std::vector<Tensor> last_buffers;
+  int64_t fallbacks = 0;
+  // The last arm's slots when it folded nothing: `rearm` arms them again (in_backward.py's
+  // FastPath reuses a pass's lists for the next pass that finds the window as this pass left
+  // it), with each slot's next_mode and next_buffer.
+  std::vector<int64_t> last_slots;
+  bool advancing = false;  // the armed pass folds nothing: takes advance next_mode / next_buffer
+  std::vector<int64_t> start_slots;  // the last window-start arm's slots
+  bool start_ready = false;  // new_window set the lists to them and no arm has run since
 
   void add_slot() { slots.emplace_back(); }
 
@@ -122,7 +158,7 @@ struct HookState {
            const std::vector<py::dict>& fold_specs, const std::vector<int64_t>& spec_of,
            const std::vector<bool>& overwrite, const std::vector<std::optional<Tensor>>& state0,
            const std::vector<std::optional<Tensor>>& state1, const std::vector<std::optional<Tensor>>& state2,
-           const std::vector<std::optional<Tensor>>& steps) {
+           const std::vector<std::optional<Tensor>>& steps, bool window_start) {
     const size_t n = slot_ids.size();
     TORCH_CHECK(modes.size() == n && buffers.size() == n, "arm: lists differ in length");
     const bool folds = !fold_specs.empty();
@@ -153,16 +189,49 @@ struct HookState {
       }
     }
     armed = slot_ids;
-    if (!folds) {
+    forget();
+    advancing = !folds;
+    if (advancing) {
       last_slots = slot_ids;
-      last_modes = modes;
-      last_buffers.clear();
-      for (const auto& b : buffers) last_buffers.push_back(b.value_or(Tensor()));
-    } else {
-      last_slots.clear();
-      last_modes.clear();
-      last_buffers.clear();
+      for (int64_t i : slot_ids) {
+        slots[i].next_mode = slots[i].mode;
+        slots[i].next_buffer = slots[i].buffer;
+      }
     }
+    if (advancing && window_start) {
+      for (int64_t i : start_slots) slots[i].start_buffer = Tensor();
+      start_slots = slot_ids;
+      for (int64_t i : slot_ids) {
+        slots[i].start_mode = slots[i].mode;
+        slots[i].start_buffer = slots[i].buffer;
+      }
+    }
+  }
+
+  void new_window() {
+    forget();
+    for (int64_t i : start_slots) {
+      Slot& s = slots[i];
+      s.next_mode = s.start_mode;
+      s.next_buffer = s.adopted_in_window ? Tensor() : s.start_buffer;
+    }
+    for (Slot& s : slots) s.adopted_in_window = false;
+    last_slots = start_slots;
+    start_ready = !start_slots.empty();
+  }
+
+  bool rearm_start(double w, std::optional<double> nws, double wsum) {
+    if (!start_ready) return false;
+    rearm(w, nws, wsum);
+    return true;
+  }
+
+  void forget() {
+    for (int64_t i : last_slots) {
+      slots[i].next_mode = kNone;
+      slots[i].next_buffer = Tensor();
+    }
+    last_slots.clear();
   }
 
   // arm() with the last non-folding arm's slots, modes and buffers and new scalars.
@@ -174,27 +243,29 @@ struct HookState {
     norm_weight_sum = nws;
     weight_sum = wsum;
     specs.clear();
-    for (size_t i = 0; i < last_slots.size(); ++i) {
-      Slot& s = slots[last_slots[i]];
-      s.mode = last_modes[i];
-      s.buffer = last_buffers[i];
+    for (int64_t i : last_slots) {
+      Slot& s = slots[i];
+      s.mode = s.next_mode;
+      s.buffer = s.next_buffer;
     }
     armed = last_slots;
+    advancing = true;
   }
 
   void disarm() {
-    for (int64_t i : armed) slots[i] = Slot{kNone, Tensor(), -1, false, {}, {}, {}, {}, slots[i].seen_task};
+    start_ready = false;
+    for (int64_t i : armed) slots[i].disarm();
     armed.clear();
     armed_task = -1;
+    advancing = false;
   }
 
-  std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<std::optional<Tensor>>,
-             std::vector<std::optional<Tensor>>>
-  drain() {
+  py::tuple drain() {
     Taken out = std::move(taken_now);
     taken_now = Taken{};
-    return {std::move(out.added), std::move(out.slots), std::move(out.modes), std::move(out.norms),
-            std::move(out.adopted)};
+    return py::make_tuple(std::move(out.added), std::move(out.normed), std::move(out.norms), std::move(out.adopted),
+                          std::move(out.grads), std::move(out.folded), std::move(out.slots), std::move(out.modes),
+                          std::move(out.other_norms));
   }
 
   // Does what `param`'s slot was armed for with its gradient, when it fits; false leaves
@@ -230,16 +301,28 @@ struct HookState {
       }
     }
     s.seen_task = armed_task;
+    if (advancing) {  // (the slot is live now: the next pass adds into the buffer it has)
+      s.next_mode = kAdd;
+      if (adopted.has_value()) s.next_buffer = *adopted;
+    }
+    s.adopted_in_window |= adopted.has_value();
     grad_slot.reset();  // .grad = None, as the Python hook leaves it
     ++taken;
     if (done == kAdd && !norm.has_value()) {
       taken_now.added.push_back(slot_id);
-      return true;
+    } else if (done == kAdd) {
+      taken_now.normed.push_back(slot_id);
+      taken_now.norms.push_back(std::move(*norm));
+    } else if (done == kFold) {
+      taken_now.folded.push_back(slot_id);
+    } else if (adopted.has_value()) {
+      taken_now.adopted.push_back(slot_id);
+      taken_now.grads.push_back(std::move(*adopted));
+    } else {
+      taken_now.slots.push_back(slot_id);
+      taken_now.modes.push_back(done);
+      taken_now.other_norms.push_back(std::move(norm));
     }
-    taken_now.slots.push_back(slot_id);
-    taken_now.modes.push_back(done);
-    taken_now.norms.push_back(std::move(norm));
-    taken_now.adopted.push_back(std::move(adopted));
     return true;
   }
 
@@ -288,7 +371,9 @@ struct FastHook {
   py::object fallback;
 
   void operator()(py::handle param) {
-    if (!state->take(slot, py::cast<Tensor>(param))) fallback(param);  // (the very Parameter object)
+    if (state->take(slot, py::cast<Tensor>(param))) return;
+    state->fallbacks += state->armed_task >= 0;
+    fallback(param);  // (the very Parameter object)
   }
 };
 
@@ -300,9 +385,14 @@ void register_hooks(py::module& m) {
       .def("add_slot", &HookState::add_slot)
       .def("arm", &HookState::arm, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"),
            py::arg("slots"), py::arg("modes"), py::arg("buffers"), py::arg("fold_specs"), py::arg("spec_of"),
-           py::arg("overwrite"), py::arg("state0"), py::arg("state1"), py::arg("state2"), py::arg("steps"))
+           py::arg("overwrite"), py::arg("state0"), py::arg("state1"), py::arg("state2"), py::arg("steps"),
+           py::arg("window_start"))
       .def("rearm", &HookState::rearm, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"))
       .def("disarm", &HookState::disarm)
+      .def("forget", &HookState::forget)
+      .def("new_window", &HookState::new_window)
+      .def("rearm_start", &HookState::rearm_start, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"))
+      .def_readonly("fallbacks", &HookState::fallbacks)
       .def("drain", &HookState::drain)
       .def_property_readonly("armed", [](const HookState& s) { return s.armed_task >= 0; })
       .def_readonly("taken", &HookState::taken);
