@@ -170,6 +170,7 @@ class FastPath:
         # (``rearm_start``; the extension drops the buffers adopted since) while the buffers
         # kept between windows (``Window.buffers_version``) are as they were.
         self._start_key: tuple | None = None
+        self.built = 0  # lists built by the Python loop over the parameters (tests count them)
         self._slots_of: tuple | None = None  # (parameters, their slots): slots_of
 
     @staticmethod
@@ -216,6 +217,7 @@ class FastPath:
         self._armed = None
         if fold is not None and not complete and self._arm_folds_from_kept(opt, mb, first):
             return
+        self.built += 1
         slots, modes, buffers = [], [], []
         if fold is not None:
             fold.read_step_counts(opt, self.params)

@@ -794,8 +794,8 @@ class KeptUpdates:
         if kept is not None and len(win.live) == kept.count and kept.stand(opt):
             return kept
         win.kept_updates = None
-        if not build:
-            return None
+        if not build or len(win.live) != sum(len(group["params"]) for group in opt.param_groups):
+            return None  # (and no state is created for a parameter the window leaves alone)
         calls = []
         for group in opt.param_groups:
             params = list(group["params"])
@@ -808,11 +808,8 @@ class KeptUpdates:
             if any(t is None for values in lists.values() for t in values):
                 return None  # (state that the update creates: read again at the next close)
             calls.append((group, params, lists, opt._backend_for(first)))
-        kept = KeptUpdates(calls, ClosingPlan.state_key(opt))
-        if len(win.live) != kept.count:
-            return None
-        win.kept_updates = kept
-        return kept
+        win.kept_updates = KeptUpdates(calls, ClosingPlan.state_key(opt))
+        return win.kept_updates
 
     def stand(self, opt) -> bool:
         groups = [group for group in opt.param_groups if group["params"]]

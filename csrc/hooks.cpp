@@ -37,6 +37,7 @@
 //   FastHook(state, slot, fallback)  the hook registered on a parameter
 #include <torch/extension.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <memory>
 #include <optional>
@@ -339,13 +340,31 @@ struct HookState {
     return true;
   }
 
+  // step += 1, as Adam._update counts an update: a CPU count in place (a dispatched add_ cost
+  // ~2 us per parameter), with its version counter bumped as add_ bumps it.
+  static void count_step(const Tensor& step) {
+    if (step.device().is_cpu() && step.numel() == 1 && !step.is_inference()) {
+      if (step.scalar_type() == at::kFloat) {
+        *step.mutable_data_ptr<float>() += 1.0f;
+        torch::autograd::impl::bump_version(step);
+        return;
+      }
+      if (step.scalar_type() == at::kDouble) {
+        *step.mutable_data_ptr<double>() += 1.0;
+        torch::autograd::impl::bump_version(step);
+        return;
+      }
+    }
+    step.add_(1);
+  }
+
   // The optimizer's update of one parameter with the window's last gradient folded in, as
   // in_backward.take_grad's Python path runs it (the step count first, as Adam._update).
   void fold(const Slot& s, const Tensor& param, const Tensor& grad) {
     const FoldSpec& f = specs[s.spec];
     const std::vector<Tensor> grads{grad};
     if (f.adam) {
-      s.step.add_(1);
+      count_step(s.step);
       std::vector<Tensor> max_sqs;
       if (f.amsgrad) max_sqs.push_back(s.state2);
       adam_update_op({param}, {s.buffer}, {s.state0}, {s.state1}, max_sqs, weight_sum, std::nullopt, f.decay_factor,
