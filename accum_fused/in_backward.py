@@ -203,15 +203,11 @@ class FastPath:
         # live set only grows within a window, so its size tells), adoption. Complete parameters
         # and folds are not cached.
         key = self._key(win, first, may_adopt)
-        self._armed_pass = None
         norm_weight_sum = mb.weight_sum if mb.norms is not None else None
         window_start = fold is None and not complete and not win.live
         start_key = self._start_key_of(win, first, may_adopt) if window_start else None
-        if fold is None and not complete and (
-                self._armed == key
-                or (start_key is not None and start_key == self._start_key and self.state.rearm_start(mb.weight, norm_weight_sum, mb.weight_sum))):
-            if self._armed == key:
-                self.state.rearm(mb.weight, norm_weight_sum, mb.weight_sum)
+        self._armed_pass = None
+        if fold is None and not complete and self._rearm(mb, key, start_key, norm_weight_sum):
             self._armed_pass = (first, may_adopt)
             return
         self._armed = None
@@ -248,6 +244,15 @@ class FastPath:
             self._armed_pass = (first, may_adopt)
             if window_start:
                 self._start_key = start_key
+
+    def _rearm(self, mb: BackwardPass, key: tuple, start_key: tuple | None, norm_weight_sum: float | None) -> bool:
+        """Arm the extension's kept lists, when they are true to the window: the last pass's
+        (``key``), or at a window's start the last window-start lists (``start_key``)."""
+        if self._armed == key:
+            self.state.rearm(mb.weight, norm_weight_sum, mb.weight_sum)
+            return True
+        return (start_key is not None and start_key == self._start_key
+                and self.state.rearm_start(mb.weight, norm_weight_sum, mb.weight_sum))
 
     def _arm_folds_from_kept(self, opt, mb: BackwardPass, first: Tensor) -> bool:
         """``arm`` for a pass that folds every parameter's update into its hook, from the
@@ -308,7 +313,7 @@ class FastPath:
         or without a norm, and adoptions) come as lists: set and dict updates, no Python loop."""
         if not self.state.armed:
             return
-        added, normed, norms, adopted, grads, folded, slots, modes, other_norms = self.state.drain()
+        added, normed, norms, adopted, grads, folded, written, written_norms = self.state.drain()
         if end:
             self.state.disarm()
         if added or normed:
@@ -325,7 +330,7 @@ class FastPath:
             mb.taken_slots.update(adopted)
             mb.started.update(params)
             win.adopt_many(params, grads)
-        for slot, mode, norm in zip(slots, modes, other_norms):
+        for slot, norm in zip(written, written_norms):  # (a stale buffer overwritten: the window's first gradient)
             p = self.params[slot]
             mb.seen.add(p)
             mb.completed.add(p)
@@ -686,7 +691,8 @@ def _join_pass(opt, p: Tensor) -> tuple[BackwardPass, bool] | None:
     elif opt._fast_path is not None:
         opt._fast_path.take_records(opt, mb)
     again = p in mb.seen or bool(mb.taken_slots and opt._fast_path.slot_of.get(p) in mb.taken_slots)
-    if again and (p in mb.done or (mb.done_slots and opt._fast_path.slot_of.get(p) in mb.done_slots) or (mb.closing and win.sync is not None and not win.transaction)):
+    updated = p in mb.done or bool(mb.done_slots and opt._fast_path.slot_of.get(p) in mb.done_slots)
+    if again and (updated or (mb.closing and win.sync is not None and not win.transaction)):
         # (a parameter used both inside and outside a reentrant checkpoint gets two)
         raise RuntimeError(
             f"{opt._param_name(p)} received a second gradient in the backward pass of the window's last "

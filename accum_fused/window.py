@@ -134,7 +134,8 @@ class Window:
 
     def __getstate__(self) -> dict:
         # (the extension's table is not picklable; a copy builds its own)
-        return {**self.__dict__, "step_table": None, "table_blocked": False, "kept_updates": None, "hook_state": None}
+        return {**self.__dict__, "step_table": None, "table_blocked": False, "kept_updates": None,
+                "hook_state": None}
 
     def __setstate__(self, state: dict) -> None:
         # An optimizer pickled before out-of-memory recovery (or the step table) has a window without its fields.
@@ -594,7 +595,7 @@ class Window:
         self.last_grad_norm = total_norm
         return divisor, False, torch.clamp(opt.max_grad_norm / (total_norm + 1e-6), max=1.0)
 
-    def _clip_coefficient(self, opt, weight_sum: float, norms: dict[Tensor, Tensor] | list[Tensor | None]) -> Tensor:
+    def _clip_coefficient(self, opt, weight_sum: float, norms: dict | list) -> Tensor:
         """min(max_grad_norm / (||g|| + 1e-6), 1) on the device, as clip_grad_norm_ computes
         it. ``norms`` has the per-parameter norms the last accumulate pass produced, by parameter
         or aligned with ``opt._all_params()`` (None: not measured); the window's other

@@ -30,7 +30,7 @@
 //     fallbacks  gradients of armed passes handed to `fallback`, in all
 //     drain() -> (slots of plain additions; slots of additions that measured a norm, and the
 //                norms; slots that adopted their gradient, and those gradients; slots that
-//                folded; other slots, what was done there and its norm)  since the last drain: lists, so that in_backward.py
+//                folded; slots that overwrote their stale buffer, and the norms measured there)  since the last drain: lists, so that in_backward.py
 //                records a pass in set and dict updates, with no Python work per parameter
 //     disarm()   the pass ended (or failed)
 //     taken      gradients taken here, in all (tests count them)
@@ -123,8 +123,8 @@ struct Taken {
   std::vector<int64_t> adopted;  // ADOPT done (the window's first micro-batch), and the gradients
   std::vector<Tensor> grads;
   std::vector<int64_t> folded;  // FOLD done
-  std::vector<int64_t> slots, modes;  // the rest (OVERWRITE), with a norm or none
-  std::vector<std::optional<Tensor>> other_norms;
+  std::vector<int64_t> written;  // OVERWRITE done, with a norm or none
+  std::vector<std::optional<Tensor>> written_norms;
 };
 
 bool is_float(const Tensor& t) {
@@ -265,8 +265,8 @@ struct HookState {
     Taken out = std::move(taken_now);
     taken_now = Taken{};
     return py::make_tuple(std::move(out.added), std::move(out.normed), std::move(out.norms), std::move(out.adopted),
-                          std::move(out.grads), std::move(out.folded), std::move(out.slots), std::move(out.modes),
-                          std::move(out.other_norms));
+                          std::move(out.grads), std::move(out.folded), std::move(out.written),
+                          std::move(out.written_norms));
   }
 
   // Does what `param`'s slot was armed for with its gradient, when it fits; false leaves
@@ -320,9 +320,8 @@ struct HookState {
       taken_now.adopted.push_back(slot_id);
       taken_now.grads.push_back(std::move(*adopted));
     } else {
-      taken_now.slots.push_back(slot_id);
-      taken_now.modes.push_back(done);
-      taken_now.other_norms.push_back(std::move(norm));
+      taken_now.written.push_back(slot_id);
+      taken_now.written_norms.push_back(std::move(norm));
     }
     return true;
   }
