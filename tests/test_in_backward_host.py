@@ -160,21 +160,33 @@ def test_kept_lists_match_python(monkeypatch, name, mode, clip, event):
         assert built <= 2
 
 
-def test_window_lets_go_of_adopted_gradients():
+@pytest.mark.parametrize("mode,clip", [("A", None), ("A", 1.0), ("B", None), ("B", 1.0)],
+                         ids=["modeA", "modeA-clip", "modeB", "modeB-clip"])
+def test_window_lets_go_of_adopted_gradients(mode, clip):
     """The hooks' lists hold the window's adopted gradients while it is open (the next pass adds
     into them); when it closes they are let go of with the window's buffers: resident memory
-    between windows is the native loop's."""
+    between windows is the native loop's (before, they lived on in the lists until the next
+    window's first backward pass, through its forward)."""
     model = Net()
-    opt = accum_fused.AdamW(model.parameters(), lr=0.01, in_backward=True, accumulation_steps=K, backend="cpp")
+    opt = _optimizer("AdamW", [p for n, p in model.named_parameters() if not n.startswith("extra")], mode, clip)
     x = torch.randn(4, 5)
-    for _ in range(K):  # (the first window creates the state)
-        opt.backward(model(x).square().mean())
-    for i in range(K - 1):
-        opt.backward(model(x).square().mean())
-    win = opt._window
-    adopted = [weakref.ref(win.buffers[p]) for p in win.adopted]
+
+    def micro_batch(last):
+        loss = model(x).square().mean()
+        if mode == "B":
+            opt.backward(loss)
+        else:
+            loss.backward()
+            if last:
+                opt.step()
+                opt.zero_grad()
+    for i in range(K):  # (the first window creates the state)
+        micro_batch(i == K - 1)
+    for _ in range(K - 1):
+        micro_batch(False)
+    adopted = [weakref.ref(opt._window.buffers[p]) for p in opt._window.adopted]
     assert len(adopted) >= 6
-    opt.backward(model(x).square().mean())  # closes the window
+    micro_batch(True)  # closes the window
     gc.collect()
     assert opt.update_count == 2 and all(ref() is None for ref in adopted)
 
