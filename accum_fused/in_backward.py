@@ -274,18 +274,16 @@ class FastPath:
         specs, spec_of, states = [], [], ([], [], [], [])
         for group, group_params, lists, backend in kept.calls:
             n = len(group_params)
-            if backend is not cpp_backend or not opt._uniform_call_key(lists):
+            if backend is not cpp_backend or not _folds_in_extension(group_params[0], group) \
+                    or not opt._uniform_call_key(lists):
                 return False
-            if group_params[0].dtype == torch.bfloat16 and group.get("bf16_update", "nearest") != "nearest":
-                return False  # (rounding state and keys: Python's _update)
             hyper = opt._hyperparameters(group)
-            if "beta1" in hyper:  # Adam, AdamW (Adam._update counts this update first)
-                count = int(lists["steps"][0].item()) + 1
-                specs.append(dict(kind="adam", **cpp_backend.adam_scalars(step=count, **hyper)))
+            adam = "beta1" in hyper
+            specs.append(_fold_spec(hyper, int(lists["steps"][0].item()) + 1 if adam else None))
+            if adam:
                 columns = (lists["exp_avgs"], lists["exp_avg_sqs"], lists["max_exp_avg_sqs"] or [None] * n,
                            lists["steps"])
             else:  # SGD (kept lists exist only once its momentum buffers do)
-                specs.append(dict(kind="sgd", **cpp_backend.sgd_scalars(**hyper)))
                 columns = (lists["momentum_buffers"], [None] * n, [None] * n, [None] * n)
             spec_of += [len(specs) - 1] * n
             for column, values in zip(states, columns):
@@ -393,13 +391,12 @@ class _FoldArgs:
     def add(self, opt, p: Tensor, overwrite: bool) -> bool:
         """Record ``p``'s fold; False when it stays Python's (an optimizer without
         ``_hyperparameters``, state that a first update creates)."""
-        from .backends import cpp_backend
         state = opt.state.get(p)
         if not hasattr(opt, "_hyperparameters") or not state:
             return False
         group = opt._group_of[p]
-        if p.dtype == torch.bfloat16 and group.get("bf16_update", "nearest") != "nearest":
-            return False  # (rounding state and keys: Python's _update)
+        if not _folds_in_extension(p, group):
+            return False
         hyper = self.hyperparameters.get(id(group))
         if hyper is None:
             hyper = self.hyperparameters[id(group)] = opt._hyperparameters(group)
@@ -411,14 +408,14 @@ class _FoldArgs:
             count = (int(step.item()) if count is None else count) + 1  # (Adam._update counts this update first)
             key = (id(group), count)
             if key not in self.index:
-                self._new_spec(key, dict(kind="adam", **cpp_backend.adam_scalars(step=count, **hyper)))
+                self._new_spec(key, _fold_spec(hyper, count))
             tensors = (state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), step)
         else:  # SGD
             if hyper["momentum"] != 0 and state.get("momentum_buffer") is None:
                 return False
             key = (id(group),)
             if key not in self.index:
-                self._new_spec(key, dict(kind="sgd", **cpp_backend.sgd_scalars(**hyper)))
+                self._new_spec(key, _fold_spec(hyper, None))
             tensors = (state.get("momentum_buffer"), None, None, None)
         self.spec_of.append(self.index[key])
         self.overwrite.append(overwrite)
@@ -429,6 +426,21 @@ class _FoldArgs:
     def _new_spec(self, key: tuple, scalars: dict) -> None:
         self.index[key] = len(self.specs)
         self.specs.append(scalars)
+
+
+def _folds_in_extension(p: Tensor, group) -> bool:
+    """Whether the extension's hooks may fold ``p``'s update: not bf16 rounding other than
+    nearest (its rounding state and keys are Python's _update)."""
+    return p.dtype != torch.bfloat16 or group.get("bf16_update", "nearest") == "nearest"
+
+
+def _fold_spec(hyper: dict, count: int | None) -> dict:
+    """The extension's update of a folded parameter (hooks.cpp's FoldSpec): the scalars
+    cpp_backend computes from ``opt._hyperparameters(group)``, at step ``count`` for Adam."""
+    from .backends import cpp_backend
+    if "beta1" in hyper:  # Adam, AdamW
+        return dict(kind="adam", **cpp_backend.adam_scalars(step=count, **hyper))
+    return dict(kind="sgd", **cpp_backend.sgd_scalars(**hyper))
 
 
 def _is_plain(p: Tensor) -> bool:

@@ -27,11 +27,11 @@
 //                window_start), less the buffers adopted since (the window lets go of them), for
 //                `rearm_start`; adopted gradients are let go of
 //     rearm_start(...) -> bool  rearm with those, once per new_window
-//     fallbacks  gradients of armed passes handed to `fallback`, in all
 //     drain() -> (slots of plain additions; slots of additions that measured a norm, and the
 //                norms; slots that adopted their gradient, and those gradients; slots that
-//                folded; slots that overwrote their stale buffer, and the norms measured there)  since the last drain: lists, so that in_backward.py
-//                records a pass in set and dict updates, with no Python work per parameter
+//                folded; slots that overwrote their stale buffer, and the norms measured there)
+//                since the last drain: lists, so that in_backward.py records a pass in set and
+//                dict updates, with no Python work per parameter
 //     disarm()   the pass ended (or failed)
 //     taken      gradients taken here, in all (tests count them)
 //   FastHook(state, slot, fallback)  the hook registered on a parameter
@@ -141,7 +141,6 @@ struct HookState {
   std::vector<FoldSpec> specs;
   Taken taken_now;  // since the last drain
   int64_t taken = 0;
-  int64_t fallbacks = 0;
   // The last arm's slots when it folded nothing: `rearm` arms them again (in_backward.py's
   // FastPath reuses a pass's lists for the next pass that finds the window as this pass left
   // it), with each slot's next_mode and next_buffer.
@@ -389,9 +388,7 @@ struct FastHook {
   py::object fallback;
 
   void operator()(py::handle param) {
-    if (state->take(slot, py::cast<Tensor>(param))) return;
-    state->fallbacks += state->armed_task >= 0;
-    fallback(param);  // (the very Parameter object)
+    if (!state->take(slot, py::cast<Tensor>(param))) fallback(param);  // (the very Parameter object)
   }
 };
 
@@ -410,7 +407,6 @@ void register_hooks(py::module& m) {
       .def("forget", &HookState::forget)
       .def("new_window", &HookState::new_window)
       .def("rearm_start", &HookState::rearm_start, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"))
-      .def_readonly("fallbacks", &HookState::fallbacks)
       .def("drain", &HookState::drain)
       .def_property_readonly("armed", [](const HookState& s) { return s.armed_task >= 0; })
       .def_readonly("taken", &HookState::taken);
