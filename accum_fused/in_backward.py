@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+from collections import OrderedDict
 import weakref
 from typing import Callable
 
@@ -154,7 +155,7 @@ class FastPath:
 
     def __init__(self, extension) -> None:
         self.state = extension.HookState()
-        self._hook_class = extension.FastHook
+        self._extension = extension
         self.params: list[Tensor] = []  # by slot
         self.slot_of: dict[Tensor, int] = {}
         # The window the extension's lists are true to (``_key``), when the last arm folded
@@ -182,12 +183,22 @@ class FastPath:
         return None if cpp is None else FastPath(cpp._C)
 
     def hook(self, p: Tensor, python_hook: Callable[[Tensor], None]):
+        """Hook ``p`` (``python_hook`` for what the extension does not take); returns the
+        handle. The hook goes into ``p``'s post-accumulate-grad slot in C++ (no Python per
+        gradient), unless the slot already holds Python hooks, which must keep running first:
+        then it is registered among them, and calls into C++ from Python."""
         slot = self.slot_of.get(p)
         if slot is None:
             slot = self.slot_of[p] = len(self.params)
             self.params.append(p)
             self.state.add_slot()
-        return self._hook_class(self.state, slot, python_hook)
+        if type(p) in (Tensor, torch.nn.Parameter) and p.is_leaf and p._post_accumulate_grad_hooks is None:
+            # torch's dict of Python hooks first (torch puts its hook for it in the slot), so that
+            # hooks registered later join it, and run after ours: install_hook keeps it.
+            python_hooks = p._post_accumulate_grad_hooks = OrderedDict()
+            self._extension.install_hook(p, self.state, slot, python_hook, python_hooks)
+            return _ExtensionHookHandle(p, self._extension.remove_hook)
+        return p.register_post_accumulate_grad_hook(self._extension.FastHook(self.state, slot, python_hook))
 
     def arm(self, opt, mb: BackwardPass, first: Tensor) -> None:
         win = opt._window
@@ -443,6 +454,20 @@ def _fold_spec(hyper: dict, count: int | None) -> dict:
     return dict(kind="sgd", **cpp_backend.sgd_scalars(**hyper))
 
 
+class _ExtensionHookHandle:
+    """``remove()`` of a hook the extension put in a parameter's slot (FastPath.hook), as a
+    RemovableHandle's: torch's Python hooks go back in the slot."""
+
+    def __init__(self, p: Tensor, remove_hook: Callable[[Tensor], bool]) -> None:
+        self._param = weakref.ref(p)
+        self._remove_hook = remove_hook
+
+    def remove(self) -> None:
+        p = self._param()
+        if p is not None:
+            self._remove_hook(p)
+
+
 def _is_plain(p: Tensor) -> bool:
     return kernel_view(p) is p  # not a DTensor, not complex
 
@@ -467,7 +492,7 @@ def register_hooks(opt, params) -> None:
     fast = opt._fast_path
     for p in params:
         if p.requires_grad:
-            opt._hook_handles.append(p.register_post_accumulate_grad_hook(hook if fast is None else fast.hook(p, hook)))
+            opt._hook_handles.append(p.register_post_accumulate_grad_hook(hook) if fast is None else fast.hook(p, hook))
         else:
             opt._unhooked.append(p)
     opt._group_of = {p: group for group in opt.param_groups for p in group["params"]}

@@ -34,12 +34,20 @@
 //                dict updates, with no Python work per parameter
 //     disarm()   the pass ended (or failed)
 //     taken      gradients taken here, in all (tests count them)
-//   FastHook(state, slot, fallback)  the hook registered on a parameter
+//   install_hook(param, state, slot, fallback, python_hooks_dict)  the hook, in the parameter's
+//              post-accumulate-grad slot (ExtensionHook); remove_hook(param) takes it out
+//   FastHook(state, slot, fallback)  the same hook registered through Python, where the slot
+//              already held Python hooks
 #include <torch/extension.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/utils/object_ptr.h>
 
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -133,6 +141,11 @@ bool is_float(const Tensor& t) {
 }
 
 struct HookState {
+  // Taken by every method: the extension's hooks run without the GIL (ExtensionHook), on the
+  // autograd thread of their parameter's device, while Python may arm or drain from another.
+  // Recursive: arm and rearm call disarm and forget.
+  using Lock = std::lock_guard<std::recursive_mutex>;
+  mutable std::recursive_mutex mu;
   int64_t armed_task = -1;  // the autograd graph task whose pass may be taken here; -1: none
   double weight = 1.0, weight_sum = 1.0;
   std::optional<double> norm_weight_sum;
@@ -149,7 +162,10 @@ struct HookState {
   std::vector<int64_t> start_slots;  // the last window-start arm's slots
   bool start_ready = false;  // new_window set the lists to them and no arm has run since
 
-  void add_slot() { slots.emplace_back(); }
+  void add_slot() {
+    const Lock lock(mu);
+    slots.emplace_back();
+  }
 
   // slots[i] does modes[i] with buffers[i]; for FOLD, also spec_of[i] into specs and the
   // parameter's state tensors and step count (lists aligned with slots; None elsewhere).
@@ -159,6 +175,7 @@ struct HookState {
            const std::vector<bool>& overwrite, const std::vector<std::optional<Tensor>>& state0,
            const std::vector<std::optional<Tensor>>& state1, const std::vector<std::optional<Tensor>>& state2,
            const std::vector<std::optional<Tensor>>& steps, bool window_start) {
+    const Lock lock(mu);
     const size_t n = slot_ids.size();
     TORCH_CHECK(modes.size() == n && buffers.size() == n, "arm: lists differ in length");
     const bool folds = !fold_specs.empty();
@@ -209,6 +226,7 @@ struct HookState {
   }
 
   void new_window() {
+    const Lock lock(mu);
     forget();
     for (int64_t i : start_slots) {
       Slot& s = slots[i];
@@ -221,12 +239,14 @@ struct HookState {
   }
 
   bool rearm_start(double w, std::optional<double> nws, double wsum) {
+    const Lock lock(mu);
     if (!start_ready) return false;
     rearm(w, nws, wsum);
     return true;
   }
 
   void forget() {
+    const Lock lock(mu);
     for (int64_t i : last_slots) {
       slots[i].next_mode = kNone;
       slots[i].next_buffer = Tensor();
@@ -236,6 +256,7 @@ struct HookState {
 
   // arm() with the last non-folding arm's slots, modes and buffers and new scalars.
   void rearm(double w, std::optional<double> nws, double wsum) {
+    const Lock lock(mu);
     disarm();
     armed_task = torch::autograd::get_current_graph_task_id();
     if (armed_task < 0) return;
@@ -253,6 +274,7 @@ struct HookState {
   }
 
   void disarm() {
+    const Lock lock(mu);
     start_ready = false;
     for (int64_t i : armed) slots[i].disarm();
     armed.clear();
@@ -261,6 +283,7 @@ struct HookState {
   }
 
   py::tuple drain() {
+    const Lock lock(mu);
     Taken out = std::move(taken_now);
     taken_now = Taken{};
     return py::make_tuple(std::move(out.added), std::move(out.normed), std::move(out.norms), std::move(out.adopted),
@@ -271,6 +294,7 @@ struct HookState {
   // Does what `param`'s slot was armed for with its gradient, when it fits; false leaves
   // everything as it was, for the Python hook.
   bool take(int64_t slot_id, const Tensor& param) {
+    const Lock lock(mu);
     if (armed_task < 0 || slot_id >= static_cast<int64_t>(slots.size())) return false;
     Slot& s = slots[slot_id];
     if (s.mode == kNone || s.seen_task == armed_task) return false;
@@ -291,7 +315,6 @@ struct HookState {
           buf.sizes() != grad.sizes() || !same_memory_layout(grad, buf) || (done == kFold && !fold_fits(s, param))) {
         return false;
       }
-      py::gil_scoped_release no_gil;  // as the Python path's _C calls do
       if (done == kFold) {
         fold(s, param, grad);
       } else {
@@ -382,15 +405,93 @@ struct HookState {
   }
 };
 
+// The hook registered through Python (torch's dict of Python post-accumulate-grad hooks), where
+// ExtensionHook cannot stand (see install_hook): one Python call per gradient into C++.
 struct FastHook {
   std::shared_ptr<HookState> state;
   int64_t slot;
   py::object fallback;
 
   void operator()(py::handle param) {
-    if (!state->take(slot, py::cast<Tensor>(param))) fallback(param);  // (the very Parameter object)
+    bool took;
+    {
+      py::gil_scoped_release no_gil;  // (the kernel runs without it, as the Python path's _C calls do)
+      took = state->take(slot, py::cast<Tensor>(param));
+    }
+    if (!took) fallback(param);  // (the very Parameter object)
   }
 };
+
+// The hook in the parameter's own post-accumulate-grad slot, in C++: autograd calls it without
+// the GIL and it takes what its slot was armed for without running Python (~2-3 us a gradient
+// less than FastHook: the GIL, the argument tuple, the dict of hooks, pybind's dispatch). The
+// rest goes to `fallback` (in_backward.py's Python hook, the spec), then to `python_hooks`:
+// torch's dict of Python hooks on the parameter, which install_hook set before taking the
+// slot, so that hooks registered later with register_post_accumulate_grad_hook run after
+// this one, as they would after a hook registered in that dict first.
+struct ExtensionHook : torch::autograd::PostAccumulateGradHook {
+  std::shared_ptr<HookState> state;
+  int64_t slot;
+  PyObject* fallback;  // owned
+  PyObject* python_hooks_dict;  // owned; the dict python_hooks calls
+  std::unique_ptr<torch::autograd::PostAccumulateGradHook> python_hooks;
+
+  ExtensionHook(std::shared_ptr<HookState> s, int64_t i, py::object fb, py::object dict,
+                std::unique_ptr<torch::autograd::PostAccumulateGradHook> hooks)
+      : state(std::move(s)), slot(i), fallback(fb.release().ptr()), python_hooks_dict(dict.release().ptr()),
+        python_hooks(std::move(hooks)) {}
+
+  ~ExtensionHook() override {
+    if (Py_IsInitialized()) {  // (as torch's own Python hooks let go: the last reference may be C++'s)
+      py::gil_scoped_acquire gil;
+      Py_DECREF(fallback);
+      Py_DECREF(python_hooks_dict);
+      python_hooks.reset();
+    } else {
+      (void)python_hooks.release();  // (its destructor would take the GIL of a finalized interpreter)
+    }
+  }
+
+  void operator()(const torch::autograd::Variable& param) override {
+    if (!state->take(slot, param)) {
+      py::gil_scoped_acquire gil;
+      THPObjectPtr arg(THPVariable_Wrap(param));  // (the very Parameter object)
+      if (!arg) throw python_error();
+      THPObjectPtr result(PyObject_CallOneArg(fallback, arg.get()));
+      if (!result) throw python_error();
+    }
+    // Reading the dict's size without the GIL: hooks are registered between passes, and a
+    // stale size can only make this pass call an empty dict (or miss a hook registered by
+    // another thread during it). It saves taking the GIL for the common empty dict.
+    if (PyDict_GET_SIZE(python_hooks_dict) > 0) (*python_hooks)(param);
+  }
+};
+
+// Put an ExtensionHook in `param`'s post-accumulate-grad slot. The slot must hold torch's hooks
+// for `python_hooks_dict` (in_backward.py set param._post_accumulate_grad_hooks to it, empty);
+// they are kept and called after.
+void install_hook(const Tensor& param, std::shared_ptr<HookState> state, int64_t slot, py::object fallback,
+                  py::object python_hooks_dict) {
+  TORCH_CHECK(PyDict_Check(python_hooks_dict.ptr()), "install_hook: python_hooks_dict is not a dict");
+  auto& current = torch::autograd::impl::post_acc_grad_hooks(param);
+  TORCH_CHECK(current != nullptr && dynamic_cast<ExtensionHook*>(current.get()) == nullptr,
+              "install_hook: the parameter's post-accumulate-grad slot does not hold torch's Python hooks");
+  auto python_hooks = std::move(current);
+  torch::autograd::impl::set_post_acc_grad_hooks(
+      param, std::make_unique<ExtensionHook>(std::move(state), slot, std::move(fallback),
+                                             std::move(python_hooks_dict), std::move(python_hooks)));
+}
+
+// Undo install_hook: torch's Python hooks back in the slot. False when the slot no longer holds
+// an ExtensionHook (something set param._post_accumulate_grad_hooks since).
+bool remove_hook(const Tensor& param) {
+  auto& current = torch::autograd::impl::post_acc_grad_hooks(param);
+  auto* hook = dynamic_cast<ExtensionHook*>(current.get());
+  if (hook == nullptr) return false;
+  auto python_hooks = std::move(hook->python_hooks);
+  torch::autograd::impl::set_post_acc_grad_hooks(param, std::move(python_hooks));
+  return true;
+}
 
 }  // namespace
 
@@ -408,7 +509,11 @@ void register_hooks(py::module& m) {
       .def("new_window", &HookState::new_window)
       .def("rearm_start", &HookState::rearm_start, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"))
       .def("drain", &HookState::drain)
-      .def_property_readonly("armed", [](const HookState& s) { return s.armed_task >= 0; })
+      .def_property_readonly("armed",
+                             [](const HookState& s) {
+                               const HookState::Lock lock(s.mu);
+                               return s.armed_task >= 0;
+                             })
       .def_readonly("taken", &HookState::taken);
   py::class_<FastHook>(m, "FastHook")
       .def(py::init([](std::shared_ptr<HookState> state, int64_t slot, py::object fallback) {
@@ -416,6 +521,9 @@ void register_hooks(py::module& m) {
            }),
            py::arg("state"), py::arg("slot"), py::arg("fallback"))
       .def("__call__", &FastHook::operator(), py::arg("param"));
+  m.def("install_hook", &install_hook, py::arg("param"), py::arg("state"), py::arg("slot"), py::arg("fallback"),
+        py::arg("python_hooks_dict"));
+  m.def("remove_hook", &remove_hook, py::arg("param"));
 }
 
 }  // namespace accum_fused

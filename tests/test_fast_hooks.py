@@ -236,3 +236,136 @@ def test_parameters_that_join_passes_at_different_times(monkeypatch, mode):
     assert taken > 4 * K * 2
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ the hook in the parameter's slot
+def _is_in_slot(opt) -> bool:
+    return all(isinstance(h, in_backward._ExtensionHookHandle) for h in opt._hook_handles)
+
+
+@pytest.mark.parametrize("mode", ["A", "B"])
+def test_hooks_registered_after_ours_run_after_it(monkeypatch, mode):
+    """The extension's hook sits in the parameter's post-accumulate-grad slot (no Python per
+    gradient), with torch's dict of Python hooks kept behind it: a hook registered after the
+    optimizer runs once per gradient, after ours (it sees .grad taken, as it would behind a
+    Python hook registered first), and its handle removes it. Bit-equal to Python's hooks."""
+    def run(python_only):
+        if python_only:
+            _python_hooks_only(monkeypatch)
+        model = _model(torch.float32)
+        opt = _optimizer("AdamW", model.parameters(), accumulation_steps=K if mode == "B" else 1)
+        assert _is_in_slot(opt) != python_only
+        seen = []
+        handles = [p.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad)) for p in model.parameters()]
+        x = torch.randn(5, 7)
+        for i in range(2 * K):
+            loss = model(x * (i + 1)).square().mean()
+            if mode == "B":
+                opt.backward(loss)
+            else:
+                loss.backward()
+                if (i + 1) % K == 0:
+                    opt.step()
+                    opt.zero_grad()
+            if i == K - 1:
+                assert len(seen) == K * 6 and all(g is None for g in seen)
+                for h in handles:
+                    h.remove()
+        assert len(seen) == K * 6
+        assert opt.update_count == 2
+        taken = opt._fast_path.state.taken if opt._fast_path else 0
+        opt.close()
+        return [p.detach().clone() for p in model.parameters()], taken
+    fast, taken = run(False)
+    slow, _ = run(True)
+    assert taken > K * 5  # (most: each pass's first gradient and the passes that create state are Python's)
+    for a, b in zip(fast, slow):
+        assert torch.equal(a, b)
+
+
+def test_hooks_registered_before_ours_keep_running_first():
+    """A parameter whose slot already holds Python hooks gets ours among them (FastHook, through
+    Python), so that the earlier hook still sees the accumulated .grad before ours takes it."""
+    model = _model(torch.float32)
+    first = model[0].weight
+    seen = []
+    first.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad is not None))
+    opt = _optimizer("AdamW", model.parameters(), accumulation_steps=K)
+    assert not isinstance(opt._hook_handles[0], in_backward._ExtensionHookHandle)
+    assert all(isinstance(h, in_backward._ExtensionHookHandle) for h in opt._hook_handles[1:])
+    x = torch.randn(5, 7)
+    for _ in range(K):
+        opt.backward(model(x).square().mean())
+    assert seen == [True] * K and opt.update_count == 1
+    opt.close()
+
+
+def test_close_gives_the_slot_back():
+    """After close() the parameters are torch's again: gradients accumulate into .grad, hooks
+    registered while ours was in the slot still run, and another optimizer can hook them."""
+    model = _model(torch.float32)
+    opt = _optimizer("AdamW", model.parameters())
+    calls = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad is None))
+    x = torch.randn(5, 7)
+    model(x).sum().backward()
+    assert calls == [True] * 6 and all(p.grad is None for p in model.parameters())
+    opt.close()
+    calls.clear()
+    model(x).sum().backward()
+    assert calls == [False] * 6 and all(p.grad is not None for p in model.parameters())
+    model.zero_grad()
+    again = _optimizer("AdamW", model.parameters())
+    assert not _is_in_slot(again)  # (the slot holds Python hooks now: ours goes among them)
+    model(x).sum().backward()
+    again.step()
+    assert again.update_count == 1 and all(p.grad is None for p in model.parameters())
+    again.close()
+
+
+def test_python_errors_in_the_slot_hook_keep_their_type(monkeypatch):
+    """An error raised by the Python hook behind the extension's (take_grad: each pass's first
+    gradient) reaches backward()'s caller as itself."""
+    model = _model(torch.float32)
+    opt = _optimizer("AdamW", model.parameters(), accumulation_steps=K)
+    assert _is_in_slot(opt)
+
+    def refuse(opt, p):
+        raise ValueError("refused by the test")
+    monkeypatch.setattr(in_backward, "take_grad", refuse)
+    with pytest.raises(ValueError, match="refused by the test"):
+        model(torch.randn(5, 7)).square().mean().backward()
+    monkeypatch.undo()
+    opt.close()
+
+
+def test_backward_on_another_thread_and_parameters_freed_first():
+    """The slot hook runs without the GIL on whichever thread runs backward; a model freed
+    while the optimizer lives lets go of its hooks without the GIL problems of a C++ owner."""
+    import gc
+    import threading
+
+    def train(on_thread):
+        model = _model(torch.float32)
+        opt = _optimizer("AdamW", model.parameters(), accumulation_steps=K)
+        x = torch.randn(5, 7)
+
+        def work():
+            for _ in range(2 * K):
+                opt.backward(model(x).square().mean())
+        if on_thread:
+            t = threading.Thread(target=work)
+            t.start()
+            t.join()
+        else:
+            work()
+        assert opt.update_count == 2
+        return [p.detach().clone() for p in model.parameters()], opt, model
+    here, _, _ = train(False)
+    there, opt, model = train(True)
+    for a, b in zip(here, there):
+        assert torch.equal(a, b)
+    del model
+    gc.collect()
+    opt.close()
