@@ -413,10 +413,11 @@ struct FastHook {
   py::object fallback;
 
   void operator()(py::handle param) {
+    const Tensor tensor = py::cast<Tensor>(param);
     bool took;
     {
       py::gil_scoped_release no_gil;  // (the kernel runs without it, as the Python path's _C calls do)
-      took = state->take(slot, py::cast<Tensor>(param));
+      took = state->take(slot, tensor);
     }
     if (!took) fallback(param);  // (the very Parameter object)
   }
@@ -450,6 +451,13 @@ struct ExtensionHook : torch::autograd::PostAccumulateGradHook {
     } else {
       (void)python_hooks.release();  // (its destructor would take the GIL of a finalized interpreter)
     }
+  }
+
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+    TORCH_CHECK_NOT_IMPLEMENTED(false,
+                                "an accum_fused optimizer with in_backward=True takes gradients in hooks that compiled "
+                                "autograd cannot trace: run this backward with "
+                                "torch._dynamo.config.compiled_autograd = False, or use in_backward=False");
   }
 
   void operator()(const torch::autograd::Variable& param) override {

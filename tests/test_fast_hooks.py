@@ -369,3 +369,15 @@ def test_backward_on_another_thread_and_parameters_freed_first():
     del model
     gc.collect()
     opt.close()
+
+
+def test_compiled_autograd_is_refused_with_the_fix():
+    """Compiled autograd asks each hook to be traced; the extension's cannot be, and says what to do."""
+    from torch._dynamo import compiled_autograd
+    model = _model(torch.float32)
+    opt = _optimizer("AdamW", model.parameters())
+    assert _is_in_slot(opt)
+    with pytest.raises(NotImplementedError, match="compiled_autograd = False, or use in_backward=False"):
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            model(torch.randn(3, 7)).square().mean().backward()
+    opt.close()
