@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""Host cost per gradient of one backward pass in the middle of a window (issue 31): what the
+in-backward hooks add to each gradient against what autograd's own accumulation costs.
+
+One process, contenders interleaved pass by pass, each on its own copy of N fp32 tensors of D
+elements; the backward is bench_backward.py's cheap one (an autograd Function whose backward
+returns c_p * dloss), so a pass is autograd's per-gradient work plus what happens to the gradient:
+
+  native   torch's loop in the middle of a window: .grad exists, autograd adds into it in place
+  py_drop  a Python post-accumulate-grad hook that sets .grad = None (the cost of any Python hook)
+  mode_a   accum_fused.AdamW(in_backward=True): its hook adds the gradient into the fp32 buffer
+  mode_b   the same with accumulation_steps=K, a pass that neither opens nor closes the window
+
+Reports min and median ms per pass over --repeats passes and, per contender, (median - native's
+median) / N in us: the extra host time per gradient. Run it with PYTHONPATH=<other checkout> for
+a before/after; compare only within one sitting.
+
+    python benchmarks/bench_hook_cost.py --tensors 5000 --numel-per-tensor 64 --repeats 41
+"""
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+import accum_fused
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--tensors", type=int, default=5000)
+parser.add_argument("--numel-per-tensor", type=int, default=64)
+parser.add_argument("--repeats", type=int, default=41)
+parser.add_argument("--threads", type=int, default=2)
+parser.add_argument("--json", default=None)
+args = parser.parse_args()
+torch.set_num_threads(args.threads)
+N, D, K = args.tensors, args.numel_per_tensor, 1000  # (K: mode B's window never closes here)
+
+
+def contender(name):
+    params = [torch.nn.Parameter(torch.randn(D)) for _ in range(N)]
+    cs = [torch.empty(D).uniform_(-1e-3, 1e-3) for _ in range(N)]
+
+    class Cheap(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *ps):
+            return torch.zeros(())
+
+        @staticmethod
+        def backward(ctx, g):
+            return tuple(c * g for c in cs)
+
+    opt = None
+    if name == "py_drop":
+        for p in params:
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    elif name == "mode_a":
+        opt = accum_fused.AdamW(params, lr=1e-3, in_backward=True)
+    elif name == "mode_b":
+        opt = accum_fused.AdamW(params, lr=1e-3, in_backward=True, accumulation_steps=K)
+
+    def one_pass():
+        loss = Cheap.apply(*params)
+        if name == "mode_b":
+            opt.backward(loss)
+        else:
+            loss.backward()
+    for _ in range(3):  # the window's first passes (adopt, arm) and a steady one
+        one_pass()
+    return one_pass
+
+
+names = ["native", "py_drop", "mode_a", "mode_b"]
+passes = {name: contender(name) for name in names}
+times = {name: [] for name in names}
+for r in range(args.repeats):
+    for name in names[r % len(names):] + names[:r % len(names)]:  # (the first mover rotates)
+        t = time.perf_counter()
+        passes[name]()
+        times[name].append((time.perf_counter() - t) * 1e3)
+native = statistics.median(times["native"])
+rows = []
+for name in names:
+    med = statistics.median(times[name])
+    rows.append(dict(contender=name, min_ms=min(times[name]), median_ms=med,
+                     extra_us_per_gradient_vs_native=(med - native) * 1e3 / N, times_ms=times[name]))
+    print(f"{name:8s} min {min(times[name]):7.2f} ms  median {med:7.2f} ms  "
+          f"{(med - native) * 1e3 / N:+6.2f} us per gradient vs native")
+if args.json:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(accum_fused.__file__).parent).stdout.strip()
+    Path(args.json).write_text(json.dumps(dict(
+        benchmark="bench_hook_cost", date=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        config=dict(tensors=N, numel_per_tensor=D, repeats=args.repeats, threads=args.threads),
+        versions=dict(accum_fused_path=str(Path(accum_fused.__file__).parent), git_commit=commit,
+                      torch=torch.__version__, python=platform.python_version()),
+        results=rows), indent=1))
