@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import operator
 import warnings
-from collections import OrderedDict
 import weakref
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -185,19 +185,21 @@ class FastPath:
     def hook(self, p: Tensor, python_hook: Callable[[Tensor], None]):
         """Hook ``p`` (``python_hook`` for what the extension does not take); returns the
         handle. The hook goes into ``p``'s post-accumulate-grad slot in C++ (no Python per
-        gradient), unless the slot already holds Python hooks, which must keep running first:
-        then it is registered among them, and calls into C++ from Python."""
+        gradient), unless Python hooks are registered on ``p`` already, which must keep running
+        first: then it is registered among them, and calls into C++ from Python."""
         slot = self.slot_of.get(p)
         if slot is None:
             slot = self.slot_of[p] = len(self.params)
             self.params.append(p)
             self.state.add_slot()
-        if type(p) in (Tensor, torch.nn.Parameter) and p.is_leaf and p._post_accumulate_grad_hooks is None:
+        if type(p) in (Tensor, torch.nn.Parameter) and p.is_leaf and not p._post_accumulate_grad_hooks:
             # torch's dict of Python hooks first (torch puts its hook for it in the slot), so that
             # hooks registered later join it, and run after ours: install_hook keeps it.
-            python_hooks = p._post_accumulate_grad_hooks = OrderedDict()
-            self._extension.install_hook(p, self.state, slot, python_hook, python_hooks)
-            return _ExtensionHookHandle(p, self._extension.remove_hook)
+            python_hooks = p._post_accumulate_grad_hooks
+            if python_hooks is None:
+                python_hooks = p._post_accumulate_grad_hooks = OrderedDict()
+            if self._extension.install_hook(p, self.state, slot, python_hook, python_hooks):
+                return _ExtensionHookHandle(p, self._extension.remove_hook)
         return p.register_post_accumulate_grad_hook(self._extension.FastHook(self.state, slot, python_hook))
 
     def arm(self, opt, mb: BackwardPass, first: Tensor) -> None:

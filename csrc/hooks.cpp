@@ -475,19 +475,18 @@ struct ExtensionHook : torch::autograd::PostAccumulateGradHook {
   }
 };
 
-// Put an ExtensionHook in `param`'s post-accumulate-grad slot. The slot must hold torch's hooks
-// for `python_hooks_dict` (in_backward.py set param._post_accumulate_grad_hooks to it, empty);
-// they are kept and called after.
-void install_hook(const Tensor& param, std::shared_ptr<HookState> state, int64_t slot, py::object fallback,
-                  py::object python_hooks_dict) {
-  TORCH_CHECK(PyDict_Check(python_hooks_dict.ptr()), "install_hook: python_hooks_dict is not a dict");
+// Put an ExtensionHook in `param`'s post-accumulate-grad slot, which holds torch's hooks for
+// `python_hooks_dict` (param._post_accumulate_grad_hooks, empty: torch's setter put them there);
+// they are kept and called after. False, changing nothing, when the slot holds something else.
+bool install_hook(const Tensor& param, std::shared_ptr<HookState> state, int64_t slot, py::object fallback,
+                  py::dict python_hooks_dict) {
   auto& current = torch::autograd::impl::post_acc_grad_hooks(param);
-  TORCH_CHECK(current != nullptr && dynamic_cast<ExtensionHook*>(current.get()) == nullptr,
-              "install_hook: the parameter's post-accumulate-grad slot does not hold torch's Python hooks");
+  if (current == nullptr || dynamic_cast<ExtensionHook*>(current.get()) != nullptr) return false;
   auto python_hooks = std::move(current);
   torch::autograd::impl::set_post_acc_grad_hooks(
       param, std::make_unique<ExtensionHook>(std::move(state), slot, std::move(fallback),
                                              std::move(python_hooks_dict), std::move(python_hooks)));
+  return true;
 }
 
 // Undo install_hook: torch's Python hooks back in the slot. False when the slot no longer holds

@@ -306,8 +306,8 @@ def test_close_gives_the_slot_back():
     model = _model(torch.float32)
     opt = _optimizer("AdamW", model.parameters())
     calls = []
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad is None))
+    handles = [p.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad is None))
+               for p in model.parameters()]
     x = torch.randn(5, 7)
     model(x).sum().backward()
     assert calls == [True] * 6 and all(p.grad is None for p in model.parameters())
@@ -316,12 +316,23 @@ def test_close_gives_the_slot_back():
     model(x).sum().backward()
     assert calls == [False] * 6 and all(p.grad is not None for p in model.parameters())
     model.zero_grad()
+    calls.clear()
     again = _optimizer("AdamW", model.parameters())
-    assert not _is_in_slot(again)  # (the slot holds Python hooks now: ours goes among them)
+    assert not _is_in_slot(again)  # (Python hooks are registered: ours goes among them, after them)
     model(x).sum().backward()
     again.step()
     assert again.update_count == 1 and all(p.grad is None for p in model.parameters())
+    assert calls == [False] * 6  # (the earlier hooks saw .grad before ours took it)
     again.close()
+    # With those hooks removed, the next optimizer's hook goes into the slot again.
+    for handle in handles:
+        handle.remove()
+    third = _optimizer("AdamW", model.parameters())
+    assert _is_in_slot(third)
+    model(x).sum().backward()
+    third.step()
+    assert third.update_count == 1 and all(p.grad is None for p in model.parameters())
+    third.close()
 
 
 def test_python_errors_in_the_slot_hook_keep_their_type(monkeypatch):
