@@ -16,6 +16,14 @@ median) / N in us: the extra host time per gradient. Run it with PYTHONPATH=<oth
 a before/after; compare only within one sitting.
 
     python benchmarks/bench_hook_cost.py --tensors 5000 --numel-per-tensor 64 --repeats 41
+
+With ``--window K`` it times whole windows of K passes instead, pass by pass (each contender's
+pass i of a window next to the others'): native (the last pass then step + zero_grad), mode_a
+(step + zero_grad after the K passes) and mode_b (accumulation_steps=K: the last pass updates),
+median ms per pass over --repeats windows, and the window's sum: where in a window a mode gains
+or loses against the native loop (the first pass adopts gradients, the last folds the update).
+
+    python benchmarks/bench_hook_cost.py --tensors 5000 --numel-per-tensor 4096 --window 4 --repeats 15
 """
 import argparse
 import json
@@ -34,10 +42,12 @@ parser.add_argument("--tensors", type=int, default=5000)
 parser.add_argument("--numel-per-tensor", type=int, default=64)
 parser.add_argument("--repeats", type=int, default=41)
 parser.add_argument("--threads", type=int, default=2)
+parser.add_argument("--window", type=int, default=0, help="time whole windows of this many passes")
 parser.add_argument("--json", default=None)
 args = parser.parse_args()
 torch.set_num_threads(args.threads)
-N, D, K = args.tensors, args.numel_per_tensor, 1000  # (K: mode B's window never closes here)
+N, D = args.tensors, args.numel_per_tensor
+K = args.window or 1000  # (without --window, mode B's window never closes here)
 
 
 def contender(name):
@@ -68,33 +78,76 @@ def contender(name):
             opt.backward(loss)
         else:
             loss.backward()
+    if name == "native":
+        opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
     for _ in range(3):  # the window's first passes (adopt, arm) and a steady one
         one_pass()
-    return one_pass
+    return one_pass, opt
 
 
-names = ["native", "py_drop", "mode_a", "mode_b"]
-passes = {name: contender(name) for name in names}
-times = {name: [] for name in names}
-for r in range(args.repeats):
-    for name in names[r % len(names):] + names[:r % len(names)]:  # (the first mover rotates)
-        t = time.perf_counter()
-        passes[name]()
-        times[name].append((time.perf_counter() - t) * 1e3)
-native = statistics.median(times["native"])
-rows = []
-for name in names:
-    med = statistics.median(times[name])
-    rows.append(dict(contender=name, min_ms=min(times[name]), median_ms=med,
-                     extra_us_per_gradient_vs_native=(med - native) * 1e3 / N, times_ms=times[name]))
-    print(f"{name:8s} min {min(times[name]):7.2f} ms  median {med:7.2f} ms  "
-          f"{(med - native) * 1e3 / N:+6.2f} us per gradient vs native")
+def middle_passes():
+    names = ["native", "py_drop", "mode_a", "mode_b"]
+    passes = {name: contender(name)[0] for name in names}
+    times = {name: [] for name in names}
+    for r in range(args.repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # (the first mover rotates)
+            t = time.perf_counter()
+            passes[name]()
+            times[name].append((time.perf_counter() - t) * 1e3)
+    native = statistics.median(times["native"])
+    rows = []
+    for name in names:
+        med = statistics.median(times[name])
+        rows.append(dict(contender=name, min_ms=min(times[name]), median_ms=med,
+                         extra_us_per_gradient_vs_native=(med - native) * 1e3 / N, times_ms=times[name]))
+        print(f"{name:8s} min {min(times[name]):7.2f} ms  median {med:7.2f} ms  "
+              f"{(med - native) * 1e3 / N:+6.2f} us per gradient vs native")
+    return rows
+
+
+def windows():
+    names = ["native", "mode_a", "mode_b"]
+    contenders = {name: contender(name) for name in names}
+    for name in ("native", "mode_a"):  # (let them end the window contender() began)
+        contenders[name][1].step()
+        contenders[name][1].zero_grad()
+    for _ in range((K - 3 % K) % K):  # (mode B's window too: contender() ran 3 passes)
+        contenders["mode_b"][0]()
+    times = {name: [[] for _ in range(K + 1)] for name in names}  # per pass; then step + zero_grad
+    for r in range(args.repeats):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for i in range(K + 1):
+            for name in order:
+                one_pass, opt = contenders[name]
+                if i == K and name == "mode_b":
+                    continue
+                t = time.perf_counter()
+                if i < K:
+                    one_pass()
+                else:
+                    opt.step()
+                    opt.zero_grad()
+                times[name][i].append((time.perf_counter() - t) * 1e3)
+    assert contenders["mode_b"][1].update_count == args.repeats + 1, "mode B's windows did not close where timed"
+    rows = []
+    print(" " * 8 + "".join(f"{'pass ' + str(i + 1):>9s}" for i in range(K)) + "     step   window")
+    for name in names:
+        medians = [statistics.median(ts) if ts else 0.0 for ts in times[name]]
+        rows.append(dict(contender=name, median_ms_per_pass=medians[:K], median_ms_step=medians[K],
+                         window_ms=sum(medians), times_ms=times[name]))
+        print(f"{name:8s}" + "".join(f"{m:9.1f}" for m in medians[:K]) +
+              (f"{medians[K]:9.1f}" if name != "mode_b" else "        -") + f"{sum(medians):9.1f}")
+    return rows
+
+
+rows = windows() if args.window else middle_passes()
 if args.json:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=Path(accum_fused.__file__).parent).stdout.strip()
     Path(args.json).write_text(json.dumps(dict(
         benchmark="bench_hook_cost", date=time.strftime("%Y-%m-%dT%H:%M:%S"),
-        config=dict(tensors=N, numel_per_tensor=D, repeats=args.repeats, threads=args.threads),
+        config=dict(tensors=N, numel_per_tensor=D, repeats=args.repeats, threads=args.threads,
+                    window=args.window or None),
         versions=dict(accum_fused_path=str(Path(accum_fused.__file__).parent), git_commit=commit,
                       torch=torch.__version__, python=platform.python_version()),
         results=rows), indent=1))
