@@ -192,6 +192,8 @@ class FastPath:
             slot = self.slot_of[p] = len(self.params)
             self.params.append(p)
             self.state.add_slot()
+        # (Plain tensors only: FSDP2 calls the dict of a sharded DTensor parameter's Python hooks
+        # itself, and would not call a hook in the slot.)
         if type(p) in (Tensor, torch.nn.Parameter) and p.is_leaf and not p._post_accumulate_grad_hooks:
             # torch's dict of Python hooks first (torch puts its hook for it in the slot), so that
             # hooks registered later join it, and run after ours: install_hook keeps it.
