@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 import accum_fused
+from _cheap_loss import cheap_loss
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--tensors", type=int, default=5000)
@@ -54,14 +55,7 @@ def contender(name):
     params = [torch.nn.Parameter(torch.randn(D)) for _ in range(N)]
     cs = [torch.empty(D).uniform_(-1e-3, 1e-3) for _ in range(N)]
 
-    class Cheap(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *ps):
-            return torch.zeros(())
-
-        @staticmethod
-        def backward(ctx, g):
-            return tuple(c * g for c in cs)
+    loss_of = cheap_loss(cs)
 
     opt = None
     if name == "py_drop":
@@ -73,7 +67,7 @@ def contender(name):
         opt = accum_fused.AdamW(params, lr=1e-3, in_backward=True, accumulation_steps=K)
 
     def one_pass():
-        loss = Cheap.apply(*params)
+        loss = loss_of(*params)
         if name == "mode_b":
             opt.backward(loss)
         else:

@@ -23,6 +23,7 @@ import time
 import torch
 
 import accum_fused
+from _cheap_loss import cheap_loss
 
 torch.set_num_threads(2)
 N, D, K = (int(os.environ.get(name, default)) for name, default in (("N", 5000), ("D", 4096), ("K", 4)))
@@ -32,14 +33,7 @@ params = [torch.nn.Parameter(torch.randn(D) * 0.01) for _ in range(N)]
 cs = [torch.empty(D).uniform_(-1e-3, 1e-3) for _ in range(N)]
 
 
-class Cheap(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, *ps):
-        return torch.zeros(())
-
-    @staticmethod
-    def backward(ctx, g):
-        return tuple(c * g for c in cs)
+loss_of = cheap_loss(cs)
 
 
 if mode in ("plain", "plain_python_close"):
@@ -61,7 +55,7 @@ else:
 
 def window():
     for _ in range(K):
-        loss = Cheap.apply(*params)
+        loss = loss_of(*params)
         if mode == "b":
             opt.backward(loss)
         elif mode in ("native", "a"):
