@@ -236,15 +236,16 @@ if [ "$DRY_RUN" = 1 ]; then
   run_stage oom 30 0
   run_stage memcheck 30 0; run_stage racecheck 30 0
 else
-  # Measured on the H100 (2026-11-26): env 6 s, build 76 s, bench 38 s, fsdp 20 s.
+  # Measured on the H100 (2026-11-26/27): env 5 s, build 71-76 s, tests 73 s, bench 38-41 s, train 107 s,
+  # fsdp 18-20 s; memcheck's slice did not finish in 80 s (2026-11-27), racecheck's took 20 s.
   run_stage env     30  430
   run_stage build   150 350
   run_stage tests   120 230
   run_stage bench   60  170
-  run_stage train   120 130
-  run_stage fsdp    40  90
-  run_stage oom     30  60
-  run_stage memcheck 80 20
+  run_stage train   120 200
+  run_stage fsdp    40  160
+  run_stage oom     60  100
+  run_stage memcheck 150 20
   run_stage racecheck 60 0
 fi
 

@@ -1,14 +1,17 @@
 #!/usr/bin/env python
 """A real CUDA out-of-memory error, recovered by ``opt.run`` (issue 30; a stage of gpu_check.sh).
 
-GPU memory is filled with one filler tensor until only --free-gib is left; an MLP's micro-batch
-of --batch samples then needs more activation memory than that (--width x --layers fp32
-activations kept for backward), so its forward or backward raises torch.OutOfMemoryError for
-real. ``opt.run`` takes the failed pass out, empties the cache, splits the micro-batch and
-carries on. Checked, for plain mode and in_backward mode B: at least one retry happened, the
-window closed after k micro-batches, and the parameters equal those of the same run given the
-parts it ended at from the start (bit for bit in plain mode; to fp32 rounding in mode B, where a
-pass may fail after adding some parameters' gradients whole). Exit 0 when every check holds.
+First the window is run twice without a filler, to measure the memory it needs beyond the
+parameters and data (CUDA's peak allocation): once with whole micro-batches of --batch samples,
+once with halves. GPU memory is then filled with one filler tensor until only the midpoint of
+the two is left, so a whole micro-batch's forward or backward raises torch.OutOfMemoryError for
+real, and halves fit. (On the H100, 2026-11-27, a margin modelled from the layer sizes still left
+room for whole micro-batches: no error was raised and nothing was checked.) ``opt.run`` takes the
+failed pass out, empties the cache, splits the micro-batch and carries on. Checked, for plain mode
+and in_backward mode B: at least one retry happened, the window closed after k micro-batches, and
+the parameters equal those of the same run given the parts it ended at from the start (bit for
+bit in plain mode; to fp32 rounding in mode B, where a pass may fail after adding some
+parameters' gradients whole). Exit 0 when every check holds.
 
   python benchmarks/gpu_oom_check.py                 # on a CUDA machine
 """
@@ -32,23 +35,32 @@ def make_model(width: int, layers: int) -> nn.Module:
     return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh())]).cuda()
 
 
-def train(mode: str, args, data, max_part_size=None, fill: bool = False):
+def train(mode: str, args, data, max_part_size=None, leave_free: int | None = None):
+    """One window; returns the parameters, the recovery record and the bytes the window needed
+    beyond what was allocated when it began (peak allocation). ``leave_free``: fill the GPU but
+    that many bytes first."""
     model = make_model(args.width, args.layers)
     opt = accum_fused.AdamW(model.parameters(), lr=1e-4, accumulation_steps=args.k, in_backward=mode == "B")
     opt.recovery.max_part_size = max_part_size
     filler = None
-    if fill:  # leave --free-gib: the micro-batch's activations do not fit
+    if leave_free is not None:
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info()
-        # (plus what the window keeps: .grad, the fp32 buffer, AdamW's two moments, a margin)
-        spare = int(args.free_gib * 2**30) + 5 * sum(p.numel() * 4 for p in model.parameters())
-        filler = torch.empty(max(free - spare, 0), dtype=torch.uint8, device="cuda")
+        filler = torch.empty(max(free - leave_free, 0), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
     loss_fn = lambda b: nn.functional.mse_loss(model(b[0]), b[1])  # noqa: E731
     for batch in data:
         opt.run(batch, loss_fn)
+    torch.cuda.synchronize()
+    needed = torch.cuda.max_memory_allocated() - start
     del filler
     assert opt.update_count == 1 and opt.micro_step == 0
-    return [p.detach().clone() for p in model.parameters()], opt.recovery
+    params, recovery = [p.detach().clone() for p in model.parameters()], opt.recovery
+    del model, opt, loss_fn  # (the next run measures from an empty cache)
+    torch.cuda.empty_cache()
+    return params, recovery, needed
 
 
 def main() -> int:
@@ -57,7 +69,6 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--k", type=int, default=2)
-    ap.add_argument("--free-gib", type=float, default=2.0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -67,17 +78,21 @@ def main() -> int:
     gen = torch.Generator().manual_seed(1)
     data = [(torch.randn(args.batch, args.width, generator=gen).cuda(),
              torch.randn(args.batch, args.width, generator=gen).cuda()) for _ in range(args.k)]
-    need = args.batch * args.width * 4 * args.layers * 2 / 2**30
-    print(f"micro-batch activations ~{need:.1f} GiB, {args.free_gib} GiB left free")
     results, ok = {}, True
     for mode in ("plain", "B"):
-        params, recovery = train(mode, args, data, fill=True)
-        reference, _ = train(mode, args, data, max_part_size=recovery.max_part_size)
+        _, _, whole = train(mode, args, data)
+        _, _, halves = train(mode, args, data, max_part_size=args.batch // 2)
+        leave_free = (whole + halves) // 2
+        print(f"mode {mode}: the window needs {whole / 2**30:.2f} GiB with whole micro-batches, "
+              f"{halves / 2**30:.2f} GiB with halves; {leave_free / 2**30:.2f} GiB left free")
+        params, recovery, _ = train(mode, args, data, leave_free=leave_free)
+        reference, _, _ = train(mode, args, data, max_part_size=recovery.max_part_size)
         diff = max((a - b).abs().max().item() for a, b in zip(params, reference))
         exact = all(torch.equal(a, b) for a, b in zip(params, reference))
         good = recovery.retries >= 1 and (exact if mode == "plain" else diff <= 1e-5)
         ok &= good
-        results[mode] = dict(retries=recovery.retries, part_size=recovery.max_part_size, max_abs_diff=diff,
+        results[mode] = dict(whole_bytes=whole, halves_bytes=halves, left_free=leave_free,
+                             retries=recovery.retries, part_size=recovery.max_part_size, max_abs_diff=diff,
                              bit_exact=exact, ok=good)
         print(f"mode {mode}: {recovery.retries} retries, parts of {recovery.max_part_size}, max |dparam| against "
               f"the run split from the start {diff:.3g} ({'bit for bit' if exact else 'not bit for bit'}): "

@@ -24,9 +24,9 @@ def _python_hooks_only(monkeypatch) -> None:
     monkeypatch.setattr(in_backward.FastPath, "for_optimizer", staticmethod(lambda opt: None))
 
 
-def _model(dtype, seed=0):
+def _model(dtype, seed=0, device="cpu"):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 9), nn.Tanh(), nn.Linear(9, 3)).to(dtype)
+    return nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 9), nn.Tanh(), nn.Linear(9, 3)).to(device, dtype)
 
 
 def _optimizer(name, params, **kw):
@@ -35,7 +35,8 @@ def _optimizer(name, params, **kw):
     return accum_fused.AdamW(params, lr=0.01, weight_decay=0.1, backend="cpp", in_backward=True, **kw)
 
 
-def _train(python_only, monkeypatch, *, dtype, mode, clip, name="AdamW", windows=3, step_fn=None, grads_per_pass=6):
+def _train(python_only, monkeypatch, *, dtype, mode, clip, name="AdamW", windows=3, step_fn=None, grads_per_pass=6,
+           device="cpu"):
     """Train a fresh model; returns (parameters, gradients the extension took)."""
     if python_only:
         _python_hooks_only(monkeypatch)
@@ -48,12 +49,12 @@ def _train(python_only, monkeypatch, *, dtype, mode, clip, name="AdamW", windows
         python_calls[0] += 1
         take_grad(opt, p)
     monkeypatch.setattr(in_backward, "take_grad", counted)
-    model = _model(dtype)
+    model = _model(dtype, device=device)
     k = K if mode == "B" else 1
     opt = _optimizer(name, model.parameters(), accumulation_steps=k, max_grad_norm=clip)
     gen = torch.Generator().manual_seed(1)
     for i in range(windows * K):
-        x = torch.randn(3 + i % 4, 7, generator=gen).to(dtype)
+        x = torch.randn(3 + i % 4, 7, generator=gen).to(device, dtype)
         loss = (step_fn or (lambda m, x: m(x)))(model, x).float().square().mean()
         if mode == "B":
             opt.backward(loss, weight=float(1 + i % 3))
@@ -86,6 +87,25 @@ def test_extension_hooks_match_python_hooks(monkeypatch, dtype, mode, clip, name
     # bf16/fp16: window 1); the first update without clipping (it creates the optimizer state).
     expected = K * 3 + 5 * ((mode == "A" and dtype != torch.float32) + (mode == "B") + (mode == "B" and clip is None))
     assert python_calls == expected
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode,clip", [("A", None), ("A", 1.0), ("B", None), ("B", 0.05)],
+                         ids=["modeA", "modeA-clip", "modeB", "modeB-clip"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_extension_hooks_match_python_hooks_on_cuda(monkeypatch, dtype, mode, clip):
+    """On CUDA parameters the slot hook runs on autograd's device thread, without the GIL (under
+    HookState's mutex): the same windows as through Python's hooks, bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from accum_fused.backends import cpp_backend
+    if not cpp_backend.supports(torch.device("cuda"), dtype):
+        pytest.skip("the extension was built without CUDA")
+    fast, python_calls = _train(False, monkeypatch, dtype=dtype, mode=mode, clip=clip, device="cuda")
+    slow, _ = _train(True, monkeypatch, dtype=dtype, mode=mode, clip=clip, device="cuda")
+    for a, b in zip(fast, slow):
+        assert torch.equal(a, b)
+    assert python_calls < K * 3 * 6 // 2  # the extension took most gradients
 
 
 def test_second_gradient_and_reentrant_checkpoint_go_to_python(monkeypatch):
