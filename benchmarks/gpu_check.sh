@@ -184,9 +184,11 @@ run_sanitized() {
 }
 
 # Under memcheck a test case took ~10 s on the H100 (startup and Triton compiles included): the
-# slices are sized to ~10 cases for memcheck and ~4 for racecheck.
+# slices are sized to ~12 cases for memcheck and ~4 for racecheck. (The 300 small tensors of
+# test_windows_many_small_tensors did not finish in 70 s under memcheck, 2026-11-27: whole windows
+# are checked on the odd sizes instead.)
 stage_memcheck() {
-  run_sanitized memcheck "(test_accumulate and float32-unscaled-add) or test_window_norms or (test_windows_many_small_tensors and adamw-float32)"
+  run_sanitized memcheck "(test_accumulate and float32-unscaled-add) or test_window_norms or (test_windows_every_dtype and float32-float32-adamw-amsgrad-maximize)"
 }
 
 stage_racecheck() {
