@@ -255,6 +255,7 @@ class AccumulatingOptimizer:
                                  "without weight=")
         if self.in_backward:
             hooks.check_step(self, 1.0 if weight is None else weight)
+            hooks.rehook_dropped(self, take=False)  # (a gradient a dropped hook left in .grad: collected below)
         if win.shards is not None and getattr(self, "found_inf", None) is not None:
             raise RuntimeError(
                 f"{type(self).__name__} with FSDP2 parameters cannot be driven by torch.amp.GradScaler: GradScaler "

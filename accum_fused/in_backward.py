@@ -173,6 +173,7 @@ class FastPath:
         self._start_key: tuple | None = None
         self.built = 0  # lists built by the Python loop over the parameters (tests count them)
         self._slots_of: tuple | None = None  # (parameters, their slots): slots_of
+        self.dict_handles: list[_DictHookHandle] = []  # hooks in a dict of Python hooks (rehook_dropped)
 
     @staticmethod
     def for_optimizer(opt) -> FastPath | None:
@@ -202,7 +203,9 @@ class FastPath:
                 python_hooks = p._post_accumulate_grad_hooks = OrderedDict()
             if self._extension.install_hook(p, self.state, slot, python_hook, python_hooks):
                 return _ExtensionHookHandle(p, self._extension.remove_hook)
-        return p.register_post_accumulate_grad_hook(self._extension.FastHook(self.state, slot, python_hook))
+        handle = _DictHookHandle(p, self._extension.FastHook(self.state, slot, python_hook))
+        self.dict_handles.append(handle)
+        return handle
 
     def arm(self, opt, mb: BackwardPass, first: Tensor) -> None:
         win = opt._window
@@ -460,16 +463,36 @@ def _fold_spec(hyper: dict, count: int | None) -> dict:
 
 class _ExtensionHookHandle:
     """``remove()`` of a hook the extension put in a parameter's slot (FastPath.hook), as a
-    RemovableHandle's: torch's Python hooks go back in the slot."""
+    RemovableHandle's: torch's Python hooks go back in the slot. (The extension reports the
+    hook dropped otherwise: ``HookState.take_dropped``.)"""
 
     def __init__(self, p: Tensor, remove_hook: Callable[[Tensor], bool]) -> None:
-        self._param = weakref.ref(p)
+        self.param = weakref.ref(p)
         self._remove_hook = remove_hook
 
     def remove(self) -> None:
-        p = self._param()
+        p = self.param()
         if p is not None:
             self._remove_hook(p)
+
+
+class _DictHookHandle:
+    """A hook registered in ``p._post_accumulate_grad_hooks`` (torch's RemovableHandle), which
+    can tell whether it is still there: setting that attribute drops the dict and the hook."""
+
+    def __init__(self, p: Tensor, hook: Callable[[Tensor], None]) -> None:
+        self.param = weakref.ref(p)
+        self._handle = p.register_post_accumulate_grad_hook(hook)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def dropped(self) -> Tensor | None:
+        """The parameter, when another dict took the place of the one holding its hook. (Set to
+        None, the attribute leaves the slot, and so the dict and the hook, as they were.)"""
+        p = self.param()
+        hooks = None if p is None else p._post_accumulate_grad_hooks
+        return p if hooks is not None and self._handle.id not in hooks else None
 
 
 def _is_plain(p: Tensor) -> bool:
@@ -496,10 +519,51 @@ def register_hooks(opt, params) -> None:
     fast = opt._fast_path
     for p in params:
         if p.requires_grad:
-            opt._hook_handles.append(p.register_post_accumulate_grad_hook(hook) if fast is None else fast.hook(p, hook))
+            opt._hook_handles.append(_DictHookHandle(p, hook) if fast is None else fast.hook(p, hook))
         else:
             opt._unhooked.append(p)
     opt._group_of = {p: group for group in opt.param_groups for p in group["params"]}
+
+
+def rehook_dropped(opt, take: bool) -> None:
+    """Parameters whose hook something took off since the last look: setting
+    ``p._post_accumulate_grad_hooks`` to a new dict (directly, or by registering a hook after
+    setting it to None) replaces torch's dict of Python hooks and the parameter's hook slot, and
+    ours with them, after which autograd would leave
+    their gradients in ``.grad``, where mode B's window would never see them. They are hooked
+    again (with a warning, once), and with ``take`` (a pass is open: ``end_pass``) a gradient
+    the pass left in ``.grad`` joins it, as for a parameter unfrozen during the pass; mode A's
+    step() collects ``.grad`` itself. The extension reports its dropped hooks (no scan); hooks
+    in a dict are looked up there, one by one (parameters that had Python hooks first, DTensors,
+    and every parameter without the extension)."""
+    fast = opt._fast_path
+    dropped = [] if fast is None else [fast.params[slot] for slot in fast.state.take_dropped()]
+    for handle in opt._hook_handles if fast is None else fast.dict_handles:
+        p = handle.dropped()
+        if p is not None:
+            dropped.append(p)
+    if not dropped:
+        return
+    dropped = list(dict.fromkeys(dropped))
+    gone = set(dropped)
+    # In place: weakref.finalize (install) and a FastPath hold these lists.
+    opt._hook_handles[:] = [h for h in opt._hook_handles if h.param() not in gone]
+    if fast is not None:
+        fast.dict_handles[:] = [h for h in fast.dict_handles if h.param() not in gone]
+    if not getattr(opt, "_warned_dropped_hook", False):
+        opt._warned_dropped_hook = True
+        warnings.warn(
+            f"the post-accumulate-grad hooks of {opt._param_name(dropped[0])} were replaced (something set its "
+            f"_post_accumulate_grad_hooks) after {type(opt).__name__}(in_backward=True) hooked it, which removed "
+            f"the hook that takes its gradients ({len(dropped)} parameter(s) so far): hooked again, its gradient "
+            "taken from .grad. To remove hooks of your own, use the handle that register_post_accumulate_grad_hook "
+            "returned. (Warned once per optimizer.)",
+            stacklevel=2,
+        )
+    register_hooks(opt, dropped)
+    if take:
+        for p in dropped:
+            take_grad(opt, p)
 
 
 def claim(opt, params) -> None:
@@ -823,6 +887,7 @@ def end_pass(opt) -> None:
     if win.backward_pass is not None:
         if opt._fast_path is not None:
             opt._fast_path.take_records(opt, win.backward_pass, end=True)
+        rehook_dropped(opt, take=True)
         _hook_unfrozen(opt)
     mb, win.backward_pass = win.backward_pass, None
     if mb is not None:

@@ -34,6 +34,9 @@
 //                dict updates, with no Python work per parameter
 //     disarm()   the pass ended (or failed)
 //     taken      gradients taken here, in all (tests count them)
+//     take_dropped() -> slots whose hook left its parameter's slot other than by remove_hook
+//                (something set param._post_accumulate_grad_hooks: torch's setter replaces the
+//                slot), since the last call; in_backward.py hooks them again
 //   install_hook(param, state, slot, fallback, python_hooks_dict)  the hook, in the parameter's
 //              post-accumulate-grad slot (ExtensionHook); remove_hook(param) takes it out
 //   FastHook(state, slot, fallback)  the same hook registered through Python, where the slot
@@ -48,6 +51,7 @@
 
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -161,6 +165,17 @@ struct HookState {
   bool advancing = false;  // the armed pass folds nothing: takes advance next_mode / next_buffer
   std::vector<int64_t> start_slots;  // the last window-start arm's slots
   bool start_ready = false;  // new_window set the lists to them and no arm has run since
+  std::vector<int64_t> dropped;  // take_dropped
+
+  void note_dropped(int64_t slot) {
+    const Lock lock(mu);
+    dropped.push_back(slot);
+  }
+
+  std::vector<int64_t> take_dropped() {
+    const Lock lock(mu);
+    return std::exchange(dropped, {});
+  }
 
   void add_slot() {
     const Lock lock(mu);
@@ -436,6 +451,7 @@ struct ExtensionHook : torch::autograd::PostAccumulateGradHook {
   PyObject* fallback;  // owned
   PyObject* python_hooks_dict;  // owned; the dict python_hooks calls
   std::unique_ptr<torch::autograd::PostAccumulateGradHook> python_hooks;
+  bool removed = false;  // by remove_hook; destroyed otherwise, it was dropped (take_dropped)
 
   ExtensionHook(std::shared_ptr<HookState> s, int64_t i, py::object fb, py::object dict,
                 std::unique_ptr<torch::autograd::PostAccumulateGradHook> hooks)
@@ -443,6 +459,7 @@ struct ExtensionHook : torch::autograd::PostAccumulateGradHook {
         python_hooks(std::move(hooks)) {}
 
   ~ExtensionHook() override {
+    if (!removed) state->note_dropped(slot);
     if (Py_IsInitialized()) {  // (as torch's own Python hooks let go: the last reference may be C++'s)
       py::gil_scoped_acquire gil;
       Py_DECREF(fallback);
@@ -495,6 +512,7 @@ bool remove_hook(const Tensor& param) {
   auto& current = torch::autograd::impl::post_acc_grad_hooks(param);
   auto* hook = dynamic_cast<ExtensionHook*>(current.get());
   if (hook == nullptr) return false;
+  hook->removed = true;
   auto python_hooks = std::move(hook->python_hooks);
   torch::autograd::impl::set_post_acc_grad_hooks(param, std::move(python_hooks));
   return true;
@@ -516,6 +534,7 @@ void register_hooks(py::module& m) {
       .def("new_window", &HookState::new_window)
       .def("rearm_start", &HookState::rearm_start, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"))
       .def("drain", &HookState::drain)
+      .def("take_dropped", &HookState::take_dropped)
       .def_property_readonly("armed",
                              [](const HookState& s) {
                                const HookState::Lock lock(s.mu);

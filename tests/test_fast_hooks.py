@@ -4,6 +4,9 @@ extension's hooks and once with Python's only, must end bit-identical, and the e
 actually have taken the gradients it was armed for."""
 from __future__ import annotations
 
+import warnings
+from collections import OrderedDict
+
 import pytest
 import torch
 import torch.nn as nn
@@ -412,3 +415,52 @@ def test_compiled_autograd_is_refused_with_the_fix():
         with compiled_autograd._enable(torch.compile(backend="eager")):
             model(torch.randn(3, 7)).square().mean().backward()
     opt.close()
+
+
+@pytest.mark.parametrize("python_only", [False, True], ids=["extension", "python-hooks"])
+@pytest.mark.parametrize("mode,clip", [("A", None), ("B", None), ("B", 0.05)], ids=["modeA", "modeB", "modeB-clip"])
+@pytest.mark.parametrize("before", [0, K - 1], ids=["first-pass", "last-pass"])
+@pytest.mark.parametrize("replacement", ["new-dict", "all-params", "none", "none-then-a-hook"])
+def test_hooks_dropped_by_replacing_the_dict_are_hooked_again(monkeypatch, python_only, mode, clip, before,
+                                                              replacement):
+    """Setting ``p._post_accumulate_grad_hooks`` after the optimizer hooked ``p`` drops our hook
+    (torch's setter replaces the dict and the slot): the gradient would stay in ``.grad``, and
+    mode B's window would close without it (mode A's step() collected it). The pass that finds
+    it dropped hooks the parameter again and takes that gradient: the run ends as undisturbed,
+    with one warning, and with no gradient left in ``.grad``. (Set to None, the attribute
+    leaves the slot as it was: nothing is dropped until a hook registered next makes a dict.)"""
+    if python_only:
+        _python_hooks_only(monkeypatch)
+
+    def run(drop: bool):
+        model = _model(torch.float32)
+        k = K if mode == "B" else 1
+        opt = _optimizer("AdamW", model.parameters(), accumulation_steps=k, max_grad_norm=clip)
+        gen = torch.Generator().manual_seed(1)
+        victims = list(model.parameters()) if replacement == "all-params" else [model[0].weight, model[2].bias]
+        for i in range(2 * K):
+            if drop and i in (before, K + before):  # in both windows: the warning comes once
+                for p in victims:
+                    p._post_accumulate_grad_hooks = None if replacement.startswith("none") else OrderedDict()
+                    if replacement == "none-then-a-hook":
+                        p.register_post_accumulate_grad_hook(lambda p: None)
+            loss = model(torch.randn(3 + i % 4, 7, generator=gen)).square().mean()
+            if mode == "B":
+                opt.backward(loss, weight=float(1 + i % 3))
+            else:
+                loss.backward()
+                if (i + 1) % K == 0:
+                    opt.step()
+                    opt.zero_grad()
+            assert all(p.grad is None for p in model.parameters()) or mode == "A"
+        assert opt.update_count == 2
+        return [p.detach().clone() for p in model.parameters()]
+
+    undisturbed = run(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        disturbed = run(True)
+    dropped = [w for w in caught if "post-accumulate-grad hooks of" in str(w.message)]
+    assert len(dropped) == (replacement != "none"), [str(w.message) for w in caught]
+    for a, b in zip(disturbed, undisturbed):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
