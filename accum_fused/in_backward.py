@@ -528,14 +528,13 @@ def register_hooks(opt, params) -> None:
 def rehook_dropped(opt, take: bool) -> None:
     """Parameters whose hook something took off since the last look: setting
     ``p._post_accumulate_grad_hooks`` to a new dict (directly, or by registering a hook after
-    setting it to None) replaces torch's dict of Python hooks and the parameter's hook slot, and
-    ours with them, after which autograd would leave
-    their gradients in ``.grad``, where mode B's window would never see them. They are hooked
-    again (with a warning, once), and with ``take`` (a pass is open: ``end_pass``) a gradient
-    the pass left in ``.grad`` joins it, as for a parameter unfrozen during the pass; mode A's
-    step() collects ``.grad`` itself. The extension reports its dropped hooks (no scan); hooks
-    in a dict are looked up there, one by one (parameters that had Python hooks first, DTensors,
-    and every parameter without the extension)."""
+    setting it to None) replaces torch's dict of Python hooks and the parameter's hook slot,
+    ours with them. Autograd then leaves the gradient in ``.grad``, where mode B's window would
+    never see it. They are hooked again (with a warning, once), and with ``take`` (a pass is
+    open: ``end_pass``) the gradient the pass left in ``.grad`` joins it, as for a parameter
+    unfrozen during the pass; mode A's step() collects ``.grad`` itself. The extension reports
+    its dropped hooks (no scan); hooks in a dict are looked up there, one by one (parameters
+    that had Python hooks first, DTensors, and every parameter without the extension)."""
     fast = opt._fast_path
     dropped = [] if fast is None else [fast.params[slot] for slot in fast.state.take_dropped()]
     for handle in opt._hook_handles if fast is None else fast.dict_handles:

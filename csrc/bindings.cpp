@@ -415,6 +415,20 @@ void adam_update(const TensorList& params, const TensorList& buffers, const Tens
 
 }  // namespace
 
+std::optional<float> accumulate_one_cpu(const Tensor& grad, const Tensor& buffer, double weight, bool overwrite,
+                                        std::optional<double> norm_weight_sum) {
+  TensorEntry entry{};
+  entry.numel = buffer.numel();
+  entry.ptr[kBuffer] = buffer.data_ptr();
+  entry.ptr[kGrad] = grad.data_ptr();
+  float norm = 0.0f;
+  cpu::accumulate_one(entry, to_dtype(grad, Name{"grad"}), AccumScalars{static_cast<float>(weight), overwrite},
+                      /*grad_scale=*/1.0f, norm_weight_sum.has_value() ? static_cast<float>(*norm_weight_sum) : 1.0f,
+                      norm_weight_sum.has_value() ? &norm : nullptr);
+  if (!buffer.is_inference()) torch::autograd::impl::bump_version(buffer);  // (bump_versions, without its list)
+  return norm_weight_sum.has_value() ? std::optional<float>(norm) : std::nullopt;
+}
+
 std::optional<Tensor> accumulate_op(const TensorList& grads, const TensorList& buffers, double weight, bool overwrite,
                                     const std::optional<Tensor>& grad_scale, std::optional<double> norm_weight_sum) {
   return accumulate(grads, buffers, weight, overwrite, grad_scale, norm_weight_sum);

@@ -51,7 +51,6 @@
 
 #include <memory>
 #include <mutex>
-#include <utility>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -332,6 +331,9 @@ struct HookState {
       }
       if (done == kFold) {
         fold(s, param, grad);
+      } else if (grad.is_cpu()) {
+        const auto n = accumulate_one_cpu(grad, buf, weight, /*overwrite=*/done == kOverwrite, norm_weight_sum);
+        if (n.has_value()) norm = at::scalar_tensor(*n, at::kFloat);
       } else {
         auto norms = accumulate_op({grad}, {buf}, weight, /*overwrite=*/done == kOverwrite, std::nullopt,
                                    norm_weight_sum);

@@ -78,6 +78,28 @@ void accumulate(const std::vector<TensorEntry>& tensors, DType grad_dtype, Accum
   if (norms_out) reduce_norms(s, tensors.size(), partials, norms_out);
 }
 
+void accumulate_one(const TensorEntry& tensor, DType grad_dtype, AccumScalars accum, float grad_scale,
+                    float norm_weight_sum, float* norm_out) {
+  if (tensor.numel > kCpuTaskElems) {  // several tasks: make_plan's
+    accumulate({tensor}, grad_dtype, accum, grad_scale, norm_weight_sum, norm_out);
+    return;
+  }
+  // make_plan's plan of one tensor of at most one task: one chunk, [0, numel) (none if empty).
+  const Chunk chunk{0, 0, tensor.numel};
+  const int64_t task_begin[2] = {0, tensor.numel > 0 ? 1 : 0};
+  Plan plan{};
+  plan.tensors = &tensor;
+  plan.num_tensors = 1;
+  plan.chunks = &chunk;
+  plan.num_chunks = task_begin[1];
+  plan.task_begin = task_begin;
+  plan.num_tasks = task_begin[1];
+  plan.grain = std::max<int64_t>(1, kCpuSerialElems / kCpuTaskElems);
+  double partial = 0.0;
+  select().accumulate(plan, grad_dtype, accum, grad_scale, norm_weight_sum, norm_out ? &partial : nullptr);
+  if (norm_out) *norm_out = static_cast<float>(std::sqrt(partial));  // (reduce_norms of one chunk)
+}
+
 void window_norms(const std::vector<TensorEntry>& tensors, float weight_sum, float* norms_out) {
   const PlanStorage s = make_plan(tensors);
   std::vector<double> partials(s.chunks.size());
