@@ -431,7 +431,7 @@ class AccumulatingOptimizer:
 
     def _check_open(self, what: str) -> None:
         if self._closed:
-            raise RuntimeError(f"{what} on a {type(self).__name__} that was closed (close()); build a new optimizer")
+            raise RuntimeError(f"{what} on this {type(self).__name__}, which was closed (close()); build a new optimizer")
 
     def _run_step_hooks(self, post: bool) -> None:
         """torch.optim's step pre- or post-hooks (global and this optimizer's), for an update that

@@ -92,12 +92,12 @@ def refuse_copy(opt) -> None:
     """deepcopy / pickle keep the open window, but not hooks on a model or a live process group."""
     if getattr(opt, "in_backward", False):
         raise TypeError(
-            f"a {type(opt).__name__} with in_backward=True cannot be pickled or deep-copied (its hooks live on "
+            f"{type(opt).__name__} with in_backward=True cannot be pickled or deep-copied (its hooks live on "
             "the model's parameters); save and load its state_dict() instead"
         )
     if opt._window.sync is not None:
         raise TypeError(
-            f"a {type(opt).__name__} with a process_group cannot be pickled or deep-copied (a process "
+            f"{type(opt).__name__} with a process_group cannot be pickled or deep-copied (a process "
             "group is a live connection); save and load its state_dict() instead"
         )
 
