@@ -435,12 +435,14 @@ class Window:
         self.adopt_many([p], [grad])
         self.buffers_version += kept
 
-    def adopt_many(self, params: list[Tensor], grads: list[Tensor]) -> None:
+    def adopt_many(self, params: list[Tensor], grads: list[Tensor], param_set: set[Tensor] | None = None) -> None:
         """``adopt`` for each of ``params`` (the extension's hooks adopted them in one pass; it
-        knows which stale buffers they replace)."""
+        knows which stale buffers they replace). ``param_set``: the same parameters as a set,
+        whose hashes the set updates reuse."""
         self.buffers.update(zip(params, grads))
-        self.adopted.update(params)
-        self.live.update(params)
+        keys = params if param_set is None else param_set
+        self.adopted.update(keys)
+        self.live.update(keys)
         self.changed(kept=False)
 
     def conform_live(self, opt) -> None:
