@@ -38,6 +38,18 @@ def _optimizer(name, params, **kw):
     return accum_fused.AdamW(params, lr=0.01, weight_decay=0.1, backend="cpp", in_backward=True, **kw)
 
 
+def _micro_batch(opt, loss, mode: str, i: int) -> None:
+    """Micro-batch ``i``: mode B's opt.backward (weights 1, 2, 3, 1, ...), or mode A's summed
+    passes with step() and zero_grad() every K."""
+    if mode == "B":
+        opt.backward(loss, weight=float(1 + i % 3))
+    else:
+        loss.backward()
+        if (i + 1) % K == 0:
+            opt.step()
+            opt.zero_grad()
+
+
 def _train(python_only, monkeypatch, *, dtype, mode, clip, name="AdamW", windows=3, step_fn=None, grads_per_pass=6,
            device="cpu"):
     """Train a fresh model; returns (parameters, gradients the extension took)."""
@@ -59,13 +71,7 @@ def _train(python_only, monkeypatch, *, dtype, mode, clip, name="AdamW", windows
     for i in range(windows * K):
         x = torch.randn(3 + i % 4, 7, generator=gen).to(device, dtype)
         loss = (step_fn or (lambda m, x: m(x)))(model, x).float().square().mean()
-        if mode == "B":
-            opt.backward(loss, weight=float(1 + i % 3))
-        else:
-            loss.backward()
-            if (i + 1) % K == 0:
-                opt.step()
-                opt.zero_grad()
+        _micro_batch(opt, loss, mode, i)
     taken = 0 if opt._fast_path is None else opt._fast_path.state.taken
     assert taken + python_calls[0] == windows * K * grads_per_pass  # every gradient taken once, by one of them
     opt.close()
@@ -444,14 +450,7 @@ def test_hooks_dropped_by_replacing_the_dict_are_hooked_again(monkeypatch, pytho
                     p._post_accumulate_grad_hooks = None if replacement.startswith("none") else OrderedDict()
                     if replacement == "none-then-a-hook":
                         p.register_post_accumulate_grad_hook(lambda p: None)
-            loss = model(torch.randn(3 + i % 4, 7, generator=gen)).square().mean()
-            if mode == "B":
-                opt.backward(loss, weight=float(1 + i % 3))
-            else:
-                loss.backward()
-                if (i + 1) % K == 0:
-                    opt.step()
-                    opt.zero_grad()
+            _micro_batch(opt, model(torch.randn(3 + i % 4, 7, generator=gen)).square().mean(), mode, i)
             assert all(p.grad is None for p in model.parameters()) or mode == "A"
         assert opt.update_count == 2
         return [p.detach().clone() for p in model.parameters()]
