@@ -17,8 +17,8 @@ std::optional<at::Tensor> accumulate_op(const std::vector<at::Tensor>& grads, co
 
 // accumulate_op of one CPU gradient into its buffer, which the caller checked as accumulate_op
 // would (fp32 buffer, a float gradient of its shape and memory layout, both on the CPU), without
-// the call's lists, plan and norm tensor; returns the norm as a float. (in_backward's hooks:
-// ~0.5 us a gradient less.)
+// the call's lists, plan and norm tensor; returns the norm as a float (in_backward's hooks, once
+// per gradient).
 std::optional<float> accumulate_one_cpu(const at::Tensor& grad, const at::Tensor& buffer, double weight, bool overwrite,
                                         std::optional<double> norm_weight_sum);
 
