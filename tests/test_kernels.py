@@ -96,8 +96,8 @@ def _assert_params_ok(actual, ref, truth, what: str) -> None:
     round an fp32 step differently from ours (fused multiply-adds), and where p - lr * update
     nearly cancels, one fp32 rounding is several fp16 ulps of the small result. (The failures
     first put down to that, H100 2026-11-26, were the offset carried across windows that
-    _run_windows now restarts from; this clause was not needed to pass on 2026-11-27 as far as
-    anyone knows, and stays as a guard.)"""
+    _run_windows now restarts from; whether any element still needs this clause is not known:
+    it stays as a guard.)"""
     rtol32, atol32 = KERNEL_TOLERANCES[torch.float32]
     for i, (a, r, t) in enumerate(zip(actual, ref, truth)):
         assert a.dtype == r.dtype
