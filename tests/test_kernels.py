@@ -95,9 +95,8 @@ def _assert_params_ok(actual, ref, truth, what: str) -> None:
     tolerance of the reference. Why the second: on CUDA torch's own kernels (the reference) may
     round an fp32 step differently from ours (fused multiply-adds), and where p - lr * update
     nearly cancels, one fp32 rounding is several fp16 ulps of the small result. (The failures
-    first put down to that, H100 2026-11-26, were the offset carried across windows that
-    _run_windows now restarts from; whether any element still needs this clause is not known:
-    it stays as a guard.)"""
+    first put down to that, H100 2026-11-26, went away once _run_windows restarted each window;
+    whether any element still needs this clause is not known: it stays as a guard.)"""
     rtol32, atol32 = KERNEL_TOLERANCES[torch.float32]
     for i, (a, r, t) in enumerate(zip(actual, ref, truth)):
         assert a.dtype == r.dtype
@@ -233,8 +232,9 @@ def _run_windows(kernel, device, kind, options, sizes, param_dtype, grad_dtype, 
     parameters after every window. Reduced-precision runs then restart the next window from the
     reference's parameters and state: a legitimate 1-ulp difference at a large value is carried
     as an absolute offset, and once the value shrinks it reads as several ulps of the small value
-    (H100, 2026-11-26 and -27: 2 and 4 ulps in window 3, one element each, fp16 adamw-amsgrad and
-    sgd-momentum). Restarted, each window is measured from the same start. With
+    (the likely reading of H100, 2026-11-26 and -27: 2 and 4 ulps in window 3, one element each,
+    fp16 adamw-amsgrad and sgd-momentum, which pass restarted). Restarted, each window is measured
+    from the same start. With
     ``clip``, the last micro-batch is accumulated with norms (checked against fp64 norms of the
     kernel's buffers) and every run gets the clip coefficient of the reference run's fp64 norms,
     so that the runs stay comparable; without, the last micro-batch is fused into the update."""

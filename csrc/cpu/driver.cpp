@@ -15,6 +15,9 @@ struct PlanStorage {
   Plan plan{};
 };
 
+// Tasks per thread below which at::parallel_for stays serial (every plan's).
+constexpr int64_t kTaskGrain = kCpuSerialElems / kCpuTaskElems > 1 ? kCpuSerialElems / kCpuTaskElems : 1;
+
 // Lays the tensors end to end, each padded to a multiple of kCpuAlign elements, and cuts the
 // line into tasks of kCpuTaskElems; every task's range is cut again at tensor boundaries.
 // Tasks are equally large, and at::parallel_for hands each thread an equal run of them.
@@ -43,7 +46,7 @@ PlanStorage make_plan(const std::vector<TensorEntry>& tensors) {
   s.plan.num_chunks = static_cast<int64_t>(s.chunks.size());
   s.plan.task_begin = s.task_begin.data();
   s.plan.num_tasks = static_cast<int64_t>(s.task_begin.size()) - 1;
-  s.plan.grain = std::max<int64_t>(1, kCpuSerialElems / kCpuTaskElems);
+  s.plan.grain = kTaskGrain;
   return s;
 }
 
@@ -94,7 +97,7 @@ void accumulate_one(const TensorEntry& tensor, DType grad_dtype, AccumScalars ac
   plan.num_chunks = task_begin[1];
   plan.task_begin = task_begin;
   plan.num_tasks = task_begin[1];
-  plan.grain = std::max<int64_t>(1, kCpuSerialElems / kCpuTaskElems);
+  plan.grain = kTaskGrain;
   double partial = 0.0;
   select().accumulate(plan, grad_dtype, accum, grad_scale, norm_weight_sum, norm_out ? &partial : nullptr);
   if (norm_out) *norm_out = static_cast<float>(std::sqrt(partial));  // (reduce_norms of one chunk)
