@@ -44,11 +44,13 @@
 #include <torch/extension.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/utils/object_ptr.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -63,6 +65,10 @@ namespace {
 
 namespace py = pybind11;
 using at::Tensor;
+
+constexpr const char* kCompiledAutogradMessage =
+    "an accum_fused optimizer with in_backward=True takes gradients in hooks that compiled autograd cannot "
+    "trace: run this backward with torch._dynamo.config.compiled_autograd = False, or use in_backward=False";
 
 enum Mode : int64_t { kNone = 0, kAdd = 1, kOverwrite = 2, kAdopt = 3, kFold = 4 };
 
@@ -157,6 +163,7 @@ struct HookState {
   std::vector<FoldSpec> specs;
   Taken taken_now;  // since the last drain
   int64_t taken = 0;
+  int64_t taken_before_accumulate = 0;  // of those, by TakeBeforeAccumulate
   // The last arm's slots when it folded nothing: `rearm` arms them again (in_backward.py's
   // FastPath reuses a pass's lists for the next pass that finds the window as this pass left
   // it), with each slot's next_mode and next_buffer.
@@ -305,17 +312,43 @@ struct HookState {
                           std::move(out.written_norms));
   }
 
-  // Does what `param`'s slot was armed for with its gradient, when it fits; false leaves
+  // Does what `param`'s slot was armed for with the gradient autograd left in its .grad (the
+  // post-accumulate-grad slot's hook), when it fits, and sets .grad to None; false leaves
   // everything as it was, for the Python hook.
   bool take(int64_t slot_id, const Tensor& param) {
     const Lock lock(mu);
-    if (armed_task < 0 || slot_id >= static_cast<int64_t>(slots.size())) return false;
-    Slot& s = slots[slot_id];
-    if (s.mode == kNone || s.seen_task == armed_task) return false;
-    if (torch::autograd::get_current_graph_task_id() != armed_task) return false;
     Tensor& grad_slot = param.mutable_grad();
     if (!grad_slot.defined()) return false;
     const Tensor grad = grad_slot;  // keeps the gradient alive through the kernel
+    if (!take_grad(slot_id, param, grad, /*before_accumulate=*/false)) return false;
+    grad_slot.reset();  // .grad = None, as the Python hook leaves it
+    return true;
+  }
+
+  // The same with the gradient autograd is about to hand AccumulateGrad (TakeBeforeAccumulate),
+  // where .grad is None: taken, it never becomes .grad. Not the window's first gradient of a
+  // parameter that may adopt it (adopting needs autograd's steal: its own fresh tensor).
+  bool take_before_accumulate(int64_t slot_id, const Tensor& param, const Tensor& grad) {
+    const Lock lock(mu);
+    if (param.grad().defined() || !param.requires_grad()) return false;  // (AccumulateGrad's own cases)
+    if (!take_grad(slot_id, param, grad, /*before_accumulate=*/true)) return false;
+    ++taken_before_accumulate;
+    return true;
+  }
+
+  // Whether TakeBeforeAccumulate took this pass's gradient of `param`: autograd calls the
+  // post-accumulate-grad slot all the same, with .grad None.
+  bool took_before_accumulate(int64_t slot_id, const Tensor& param) const {
+    const Lock lock(mu);
+    return !param.grad().defined() && slot_id < static_cast<int64_t>(slots.size()) &&
+           slots[slot_id].seen_task >= 0 && slots[slot_id].seen_task == torch::autograd::get_current_graph_task_id();
+  }
+
+  bool take_grad(int64_t slot_id, const Tensor& param, const Tensor& grad, bool before_accumulate) {
+    if (armed_task < 0 || slot_id >= static_cast<int64_t>(slots.size())) return false;
+    Slot& s = slots[slot_id];
+    if (s.mode == kNone || s.seen_task == armed_task || (before_accumulate && s.mode == kAdopt)) return false;
+    if (torch::autograd::get_current_graph_task_id() != armed_task) return false;
     if (grad.layout() != at::kStrided || !is_float(grad) || grad.device() != param.device()) return false;
     int64_t done = s.mode;
     std::optional<Tensor> norm, adopted;
@@ -346,7 +379,6 @@ struct HookState {
       if (adopted.has_value()) s.next_buffer = *adopted;
     }
     s.adopted_in_window |= adopted.has_value();
-    grad_slot.reset();  // .grad = None, as the Python hook leaves it
     ++taken;
     if (done == kAdd && !norm.has_value()) {
       taken_now.added.push_back(slot_id);
@@ -473,13 +505,11 @@ struct ExtensionHook : torch::autograd::PostAccumulateGradHook {
   }
 
   void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
-    TORCH_CHECK_NOT_IMPLEMENTED(false,
-                                "an accum_fused optimizer with in_backward=True takes gradients in hooks that compiled "
-                                "autograd cannot trace: run this backward with "
-                                "torch._dynamo.config.compiled_autograd = False, or use in_backward=False");
+    TORCH_CHECK_NOT_IMPLEMENTED(false, kCompiledAutogradMessage);
   }
 
   void operator()(const torch::autograd::Variable& param) override {
+    if (state->took_before_accumulate(slot, param)) return;
     if (!state->take(slot, param)) {
       py::gil_scoped_acquire gil;
       THPObjectPtr arg(THPVariable_Wrap(param));  // (the very Parameter object)
@@ -493,6 +523,80 @@ struct ExtensionHook : torch::autograd::PostAccumulateGradHook {
     if (PyDict_GET_SIZE(python_hooks_dict) > 0) (*python_hooks)(param);
   }
 };
+
+// The hook before AccumulateGrad: a pre-hook of the parameter's gradient accumulator node, which
+// Python keeps alive for it (KeptAccumulator; the parameter holds its node only weakly, and
+// autograd makes a new one, without this hook, once no graph holds the old). It takes the
+// gradient autograd is about to hand the node, so that autograd neither steals it into .grad (a
+// detach: a new TensorImpl per gradient) nor calls the post-accumulate-grad slot, where
+// ExtensionHook would set .grad to None again: ~1 us a gradient on this VM, what made a pass
+// dearer than autograd's own in-place `.grad +=` (benchmarks/bench_hook_cost.py). It takes only
+// where nothing else could tell the difference: this slot's ExtensionHook still in the
+// parameter's slot with no Python hooks behind it, no post-hooks on the node (DDP's reducer, a
+// user's), and this hook the node's last pre-hook (so it runs after every other hook that may
+// change the gradient). Everything else, and whatever take_before_accumulate declines, goes on
+// to AccumulateGrad and ExtensionHook as before.
+struct TakeBeforeAccumulate : torch::autograd::FunctionPreHook {
+  std::shared_ptr<HookState> state;
+  int64_t slot;
+  torch::autograd::AccumulateGrad* node;  // the node that owns this hook
+
+  TakeBeforeAccumulate(std::shared_ptr<HookState> s, int64_t i, torch::autograd::AccumulateGrad* n)
+      : state(std::move(s)), slot(i), node(n) {}
+
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    const auto& param = node->variable;
+    if (grads.size() != 1 || !grads[0].defined() || !param.defined() || !node->post_hooks().empty() ||
+        node->pre_hooks().back().get() != this) {
+      return grads;
+    }
+    const auto* hook = dynamic_cast<ExtensionHook*>(torch::autograd::impl::post_acc_grad_hooks(param).get());
+    if (hook == nullptr || hook->state != state || hook->slot != slot || PyDict_GET_SIZE(hook->python_hooks_dict) > 0 ||
+        !state->take_before_accumulate(slot, param, grads[0])) {
+      return grads;
+    }
+    return {Tensor()};  // (AccumulateGrad returns at once on an undefined gradient)
+  }
+
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, kCompiledAutogradMessage);
+  }
+};
+
+// Held by Python (_ExtensionHookHandle): the gradient accumulator node TakeBeforeAccumulate is on.
+struct KeptAccumulator {
+  c10::intrusive_ptr<torch::autograd::Node> node;
+};
+
+void erase_take_before(torch::autograd::Node& node) {
+  auto& hooks = node.pre_hooks();
+  hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
+                             [](const auto& h) { return dynamic_cast<TakeBeforeAccumulate*>(h.get()) != nullptr; }),
+              hooks.end());
+}
+
+// How many TakeBeforeAccumulate hooks `param`'s accumulator node holds (tests: one while hooked,
+// none after remove_hook).
+int64_t count_take_before(const Tensor& param) {
+  auto node = torch::autograd::impl::try_get_grad_accumulator(param);
+  if (!node) return 0;
+  const auto& hooks = node->pre_hooks();
+  return std::count_if(hooks.begin(), hooks.end(),
+                       [](const auto& h) { return dynamic_cast<TakeBeforeAccumulate*>(h.get()) != nullptr; });
+}
+
+// A TakeBeforeAccumulate for `param`, whose slot holds this slot's ExtensionHook (install_hook),
+// replacing one left from an earlier install (a hook dropped and installed again); the node to
+// keep, or None where the parameter has no accumulator node (it does not require grad).
+std::optional<KeptAccumulator> hook_before_accumulate(const Tensor& param, std::shared_ptr<HookState> state,
+                                                      int64_t slot) {
+  auto node = torch::autograd::impl::grad_accumulator(param);
+  auto* accumulator = dynamic_cast<torch::autograd::AccumulateGrad*>(node.get());
+  if (accumulator == nullptr) return std::nullopt;
+  erase_take_before(*accumulator);
+  accumulator->add_pre_hook(std::make_unique<TakeBeforeAccumulate>(std::move(state), slot, accumulator));
+  return KeptAccumulator{std::move(node)};
+}
 
 // Put an ExtensionHook in `param`'s post-accumulate-grad slot, which holds torch's hooks for
 // `python_hooks_dict` (param._post_accumulate_grad_hooks, empty: torch's setter put them there);
@@ -511,6 +615,8 @@ bool install_hook(const Tensor& param, std::shared_ptr<HookState> state, int64_t
 // Undo install_hook: torch's Python hooks back in the slot. False when the slot no longer holds
 // an ExtensionHook (something set param._post_accumulate_grad_hooks since).
 bool remove_hook(const Tensor& param) {
+  // (One in_backward optimizer at a time takes a parameter's gradients: in_backward.claim.)
+  if (auto node = torch::autograd::impl::try_get_grad_accumulator(param)) erase_take_before(*node);
   auto& current = torch::autograd::impl::post_acc_grad_hooks(param);
   auto* hook = dynamic_cast<ExtensionHook*>(current.get());
   if (hook == nullptr) return false;
@@ -542,7 +648,9 @@ void register_hooks(py::module& m) {
                                const HookState::Lock lock(s.mu);
                                return s.armed_task >= 0;
                              })
-      .def_readonly("taken", &HookState::taken);
+      .def_readonly("taken", &HookState::taken)
+      .def_readonly("taken_before_accumulate", &HookState::taken_before_accumulate);
+  py::class_<KeptAccumulator>(m, "KeptAccumulator");
   py::class_<FastHook>(m, "FastHook")
       .def(py::init([](std::shared_ptr<HookState> state, int64_t slot, py::object fallback) {
              return FastHook{std::move(state), slot, std::move(fallback)};
@@ -551,7 +659,9 @@ void register_hooks(py::module& m) {
       .def("__call__", &FastHook::operator(), py::arg("param"));
   m.def("install_hook", &install_hook, py::arg("param"), py::arg("state"), py::arg("slot"), py::arg("fallback"),
         py::arg("python_hooks_dict"));
+  m.def("hook_before_accumulate", &hook_before_accumulate, py::arg("param"), py::arg("state"), py::arg("slot"));
   m.def("remove_hook", &remove_hook, py::arg("param"));
+  m.def("count_take_before", &count_take_before, py::arg("param"));
 }
 
 }  // namespace accum_fused

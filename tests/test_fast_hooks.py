@@ -423,6 +423,95 @@ def test_compiled_autograd_is_refused_with_the_fix():
     opt.close()
 
 
+# ------------------------------------------------------------------ the hook before AccumulateGrad
+@pytest.mark.parametrize("mode,clip", [("A", None), ("A", 1.0), ("B", None), ("B", 0.05)],
+                         ids=["modeA", "modeA-clip", "modeB", "modeB-clip"])
+def test_gradients_are_taken_before_autograd_accumulates_them(mode, clip):
+    """Past each pass's first gradient (Python's, which arms the others), the extension takes a
+    micro-batch's gradients before AccumulateGrad: autograd neither makes them .grad nor calls the
+    slot's hook for them. Not where a gradient is to be adopted as the window's buffer (it needs
+    autograd's steal: its own fresh tensor) or where the optimizer state does not exist yet
+    (the first update, without clipping, is Python's)."""
+    model = _model(torch.float32)
+    opt = _optimizer("AdamW", model.parameters(), accumulation_steps=K if mode == "B" else 1, max_grad_norm=clip)
+    extension = opt._fast_path._extension
+    assert all(extension.count_take_before(p) == 1 for p in model.parameters())
+    state = opt._fast_path.state
+    x = torch.randn(5, 7)
+    per_pass = []
+    for i in range(3 * K):
+        before = state.taken_before_accumulate
+        _micro_batch(opt, model(x * (i + 1)).square().mean(), mode, i)
+        per_pass.append(state.taken_before_accumulate - before)
+        assert all(p.grad is None for p in model.parameters())
+    # 6 parameters: 5 gradients a pass besides the first. Mode A: each window's first pass adopts
+    # (step() updates). Mode B (_micro_batch's weights 1, 2, 3, 1, ...): window 1's first pass
+    # adopts (weight 1), window 2's (weight 2) finds the adopted buffers gone (Python allocates
+    # them), window 3's overwrites those; window 1's last pass creates the state (Python) unless
+    # it clips (then it adds, and the update runs after backward); later last passes fold.
+    if mode == "A":
+        expected = [0 if i % K == 0 else 5 for i in range(3 * K)]
+    else:
+        expected = [0 if i in (0, K) or (i == K - 1 and clip is None) else 5 for i in range(3 * K)]
+    assert per_pass == expected
+    opt.close()
+    assert all(extension.count_take_before(p) == 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("other", ["post-accumulate-hook", "node-post-hook", "node-pre-hook", "tensor-hook",
+                                   "expanded-gradient", "frozen-mid-window"])
+@pytest.mark.parametrize("mode", ["A", "B"])
+def test_the_hook_before_accumulate_steps_aside(monkeypatch, mode, other):
+    """Where taking the gradient before AccumulateGrad would change what something else sees, the
+    gradient goes on to AccumulateGrad and the slot's hook as before: hooks registered after the
+    optimizer (on the parameter, or on its accumulator node: DDP's reducer puts one there) still
+    run and see what they would, a tensor hook's change is taken, a gradient whose layout differs
+    from the buffer's (autograd lays it out) and a parameter frozen during the window are left to
+    autograd. Bit-equal to Python's hooks with the same other hooks."""
+    def run(python_only):
+        if python_only:
+            _python_hooks_only(monkeypatch)
+        else:
+            monkeypatch.undo()
+        torch.manual_seed(0)
+        model = _model(torch.float32)
+        offset = nn.Parameter(torch.randn(3))  # used as offset.sum(): its gradient is an expanded 1
+        params = list(model.parameters()) + [offset]
+        opt = _optimizer("AdamW", params, accumulation_steps=K if mode == "B" else 1)
+        seen, keep = [], []
+        for p in params:
+            node = torch.autograd.graph.get_gradient_edge(p).node
+            keep.append(node)  # (the control's nodes live as long as its graph does)
+            if other == "post-accumulate-hook":
+                p.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad is None))
+            elif other == "node-post-hook":
+                node.register_hook(lambda grad_inputs, grad_outputs: seen.append(grad_outputs[0] is not None))
+            elif other == "node-pre-hook":
+                node.register_prehook(lambda grad_outputs: seen.append(grad_outputs[0] is not None))
+            elif other == "tensor-hook":
+                p.register_hook(lambda g: g * 0.5)
+        x = torch.randn(5, 7)
+        for i in range(2 * K):
+            extra = offset.sum() if other == "expanded-gradient" else 0
+            loss = (model(x * (i + 1)) + extra).square().mean()
+            if other == "frozen-mid-window" and i == K + 1:
+                model[0].weight.requires_grad_(False)  # (after the forward: autograd drops its gradient)
+            _micro_batch(opt, loss, mode, i)
+        taken_before = opt._fast_path.state.taken_before_accumulate if opt._fast_path else 0
+        opt.close()
+        state = [t for p in params for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
+        return [p.detach().clone() for p in params] + state, seen, taken_before
+    fast, fast_seen, taken_before = run(False)
+    slow, slow_seen, _ = run(True)
+    for a, b in zip(fast, slow):
+        assert torch.equal(a, b)
+    assert fast_seen == slow_seen
+    if other in ("post-accumulate-hook", "node-post-hook", "node-pre-hook"):
+        assert len(fast_seen) == 2 * K * 6 and taken_before == 0
+    else:
+        assert taken_before > 0
+
+
 @pytest.mark.parametrize("python_only", [False, True], ids=["extension", "python-hooks"])
 @pytest.mark.parametrize("mode,clip", [("A", None), ("B", None), ("B", 0.05)], ids=["modeA", "modeB", "modeB-clip"])
 @pytest.mark.parametrize("before", [0, K - 1], ids=["first-pass", "last-pass"])
