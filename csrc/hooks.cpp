@@ -33,12 +33,18 @@
 //                since the last drain: lists, so that in_backward.py records a pass in set and
 //                dict updates, with no Python work per parameter
 //     disarm()   the pass ended (or failed)
-//     taken      gradients taken here, in all (tests count them)
+//     taken      gradients taken here, in all (tests count them); taken_before_accumulate: of
+//                those, before AccumulateGrad
 //     take_dropped() -> slots whose hook left its parameter's slot other than by remove_hook
 //                (something set param._post_accumulate_grad_hooks: torch's setter replaces the
 //                slot), since the last call; in_backward.py hooks them again
 //   install_hook(param, state, slot, fallback, python_hooks_dict)  the hook, in the parameter's
-//              post-accumulate-grad slot (ExtensionHook); remove_hook(param) takes it out
+//              post-accumulate-grad slot (ExtensionHook); remove_hook(param) takes it out, and
+//              the one below
+//   hook_before_accumulate(param, state, slot) -> the node to keep  a pre-hook on the
+//              parameter's AccumulateGrad node (TakeBeforeAccumulate) that takes what the slot
+//              would, before autograd makes the gradient .grad, where nothing else can tell
+//              (most gradients of a pass); ExtensionHook takes the rest
 //   FastHook(state, slot, fallback)  the same hook registered through Python, where the slot
 //              already held Python hooks
 #include <torch/extension.h>
@@ -527,10 +533,11 @@ struct ExtensionHook : torch::autograd::PostAccumulateGradHook {
 // The hook before AccumulateGrad: a pre-hook of the parameter's gradient accumulator node, which
 // Python keeps alive for it (KeptAccumulator; the parameter holds its node only weakly, and
 // autograd makes a new one, without this hook, once no graph holds the old). It takes the
-// gradient autograd is about to hand the node, so that autograd neither steals it into .grad (a
-// detach: a new TensorImpl per gradient) nor calls the post-accumulate-grad slot, where
-// ExtensionHook would set .grad to None again: ~1 us a gradient on this VM, what made a pass
-// dearer than autograd's own in-place `.grad +=` (benchmarks/bench_hook_cost.py). It takes only
+// gradient autograd is about to hand the node, which then gets none: autograd does not steal it
+// into .grad (a detach, a new TensorImpl per gradient) for ExtensionHook to take and set to None
+// again (autograd still calls the slot, and ExtensionHook returns at once). That was ~1 us a
+// gradient on this VM, what made a pass dearer than autograd's own in-place `.grad +=`
+// (benchmarks/bench_hook_cost.py; benchmarks/results/host_overhead_20261127b). It takes only
 // where nothing else could tell the difference: this slot's ExtensionHook still in the
 // parameter's slot with no Python hooks behind it, no post-hooks on the node (DDP's reducer, a
 // user's), and this hook the node's last pre-hook (so it runs after every other hook that may

@@ -428,8 +428,7 @@ def test_compiled_autograd_is_refused_with_the_fix():
                          ids=["modeA", "modeA-clip", "modeB", "modeB-clip"])
 def test_gradients_are_taken_before_autograd_accumulates_them(mode, clip):
     """Past each pass's first gradient (Python's, which arms the others), the extension takes a
-    micro-batch's gradients before AccumulateGrad: autograd neither makes them .grad nor calls the
-    slot's hook for them. Not where a gradient is to be adopted as the window's buffer (it needs
+    micro-batch's gradients before AccumulateGrad: autograd never makes them .grad. Not where a gradient is to be adopted as the window's buffer (it needs
     autograd's steal: its own fresh tensor) or where the optimizer state does not exist yet
     (the first update, without clipping, is Python's)."""
     model = _model(torch.float32)
