@@ -28,7 +28,7 @@ from torch import Tensor
 from . import backends, checkpoint, ddp, distributed, in_backward as hooks
 from .checkpoint import called_from_torch_checkpoint
 from .integrations import guard
-from .layout import is_dtensor, kernel_view, state_dtype
+from .layout import is_dtensor, kernel_view, readable_grad, state_dtype
 from .window import KeptUpdates, Window, WindowListeners
 
 
@@ -213,6 +213,7 @@ class AccumulatingOptimizer:
                     f"{type(self).__name__} does not support sparse gradients (a parameter has "
                     "one); use torch.optim.SparseAdam or nn.Embedding(sparse=False)"
                 )
+        pairs = [(p, readable_grad(grad)) for p, grad in pairs]
         fused = {p for group in self.param_groups if group.get("fused") for p in group["params"]}
         if fused:
             from torch.optim.optimizer import _device_dtype_check_for_fused  # torch's own message

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .layout import is_dtensor, kernel_view, state_dtype
+from .layout import is_dtensor, kernel_view, readable_grad, state_dtype
 
 
 # The live in_backward optimizer taking each parameter's gradients (held weakly both ways):
@@ -778,7 +778,7 @@ def take_grad(opt, p: Tensor) -> None:
     joined = _join_pass(opt, p)
     if joined is not None:
         p.grad = None
-        _add(opt, p, grad, *joined)
+        _add(opt, p, readable_grad(grad), *joined)
 
 
 def take_written(opt, p: Tensor, writer) -> bool:

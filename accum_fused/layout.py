@@ -77,6 +77,19 @@ def kernel_view(t: Tensor) -> Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
+def readable_grad(grad: Tensor) -> Tensor:
+    """``grad`` as memory a backend can read. Autograd may hand a ZeroTensor (no memory behind it:
+    ``torch._efficientzerotensor``) or a view whose negation or conjugation is a flag on the
+    tensor (its raw memory has the other sign); AccumulateGrad stores either as ``.grad``. Rare,
+    and materialized here; every other gradient is returned as it is. (The extension declines
+    them, and its ops refuse them, so that they come this way.)"""
+    if grad._is_zerotensor():
+        return torch.zeros_like(grad)
+    if grad.is_neg() or grad.is_conj():
+        return grad.resolve_conj().resolve_neg()
+    return grad
+
+
 def like_param(local: Tensor, param: Tensor) -> Tensor:
     """A state tensor a backend created from local shards, given the parameter's global layout
     back (a DTensor for a DTensor parameter, complex for a complex one), as torch.optim's own

@@ -67,6 +67,8 @@ void check_tensor(const Tensor& t, const Name& name, const Tensor& buffer, const
   TORCH_CHECK(t.sizes() == buffer.sizes(), name, " must have the shape of ", buffer_name, " ", buffer.sizes(),
               ", got ", t.sizes());
   TORCH_CHECK(same_layout(t, buffer), name, " must be contiguous (or have the strides of ", buffer_name, ")");
+  TORCH_CHECK(plain_memory(t), name, " is a ZeroTensor or a view with a negation or conjugation flag, whose memory ",
+              "does not hold its values: pass torch.zeros_like(t) or t.resolve_conj().resolve_neg()");
 }
 
 void check_fp32(const Tensor& t, const Name& name) {
@@ -456,6 +458,8 @@ void adam_update_op(const TensorList& params, const TensorList& buffers, const T
 }
 
 bool same_memory_layout(const Tensor& t, const Tensor& buffer) { return same_layout(t, buffer); }
+
+bool plain_memory(const Tensor& t) { return !t._is_zerotensor() && !t.is_neg() && !t.is_conj(); }
 
 }  // namespace accum_fused
 

@@ -355,7 +355,9 @@ struct HookState {
     Slot& s = slots[slot_id];
     if (s.mode == kNone || s.seen_task == armed_task || (before_accumulate && s.mode == kAdopt)) return false;
     if (torch::autograd::get_current_graph_task_id() != armed_task) return false;
-    if (grad.layout() != at::kStrided || !is_float(grad) || grad.device() != param.device()) return false;
+    if (grad.layout() != at::kStrided || !is_float(grad) || grad.device() != param.device() || !plain_memory(grad)) {
+      return false;
+    }
     int64_t done = s.mode;
     std::optional<Tensor> norm, adopted;
     if (s.mode == kAdopt && grad.scalar_type() == at::kFloat && grad.is_contiguous() && !grad.is_view() &&

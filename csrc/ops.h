@@ -41,6 +41,10 @@ void adam_update_op(const std::vector<at::Tensor>& params, const std::vector<at:
 
 // Whether `t` walks memory in the order `buffer` does (the kernels' requirement).
 bool same_memory_layout(const at::Tensor& t, const at::Tensor& buffer);
+// Whether t's memory holds its values: not a ZeroTensor (no memory) nor a view whose negation or
+// conjugation is a flag. Autograd can hand either as a gradient; Python materializes them
+// (layout.readable_grad) and the ops refuse them.
+bool plain_memory(const at::Tensor& t);
 
 void register_hooks(pybind11::module& m);
 void register_step_table(pybind11::module& m);  // step_table.cpp

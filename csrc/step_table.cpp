@@ -95,7 +95,7 @@ struct StepTable {
       return false;  // no buffer yet, or the parameter changed: Window.conform's work
     }
     return g.layout() == at::kStrided && kernel_dtype(g.scalar_type()) && g.device() == b.device() &&
-           g.sizes() == b.sizes() && same_memory_layout(g, b);
+           g.sizes() == b.sizes() && same_memory_layout(g, b) && plain_memory(g);
   }
 
   int64_t check(const py::list& param_lists) {

@@ -86,6 +86,60 @@ def _model_failing_midway(seed=0):
     return nn.Sequential(base[0], base[1], _Failing(), base[2])
 
 
+# ---------------------------------------------------------------- gradients whose memory is not their values
+class _FlaggedGradients(torch.autograd.Function):
+    """(a * x).sum() + (b * x).sum() with its own backward: a gets zeros, b its gradient. With
+    ``flagged``, as autograd can hand them (and AccumulateGrad stores them as .grad): a's zeros a
+    ZeroTensor (no memory behind it), b's gradient a negative view of its negation (its memory
+    holds the other sign)."""
+    flagged = True
+
+    @staticmethod
+    def forward(ctx, a, b, x):
+        ctx.save_for_backward(x)
+        return (a * x).sum() + (b * x).sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        grad_b = (g * x).sum(0)
+        if _FlaggedGradients.flagged:
+            return torch._efficientzerotensor(x.shape[1:]), torch._neg_view(-grad_b), None
+        return torch.zeros(x.shape[1:]), grad_b, None
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_zero_tensor_and_negative_view_gradients_train_as_their_values(backend, name, mode, monkeypatch):
+    """Gradients whose memory does not hold their values (a ZeroTensor, a negative view) train
+    exactly as the same values in plain tensors: no crash (a ZeroTensor's memory was read as a
+    buffer's), no sign flipped."""
+    def run(flagged):
+        monkeypatch.setattr(_FlaggedGradients, "flagged", flagged)
+        torch.manual_seed(0)
+        a, b = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+        head = nn.Linear(3, 2)
+        params = [a, b, *head.parameters()]
+        b_before = b.detach().clone()
+        opt = OPTIMIZERS[name][0](params, backend=backend, **HYPER[name], **MODES[mode])
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            x = torch.randn(5, 3, generator=gen)
+            loss = _FlaggedGradients.apply(a, b, x) + head(x).square().mean()
+            if opt.in_backward and opt.accumulation_steps > 1:
+                opt.backward(loss)
+            else:
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        assert opt.update_count == (4 if opt.accumulation_steps == 1 else 2)
+        assert not torch.equal(b, b_before)
+        return [p.detach().clone() for p in params]
+    flagged, plain = run(True), run(False)
+    for x, y in zip(flagged, plain):
+        assert torch.equal(x, y)
+
+
 # ---------------------------------------------------------------- 1, 2. version counters
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
