@@ -424,19 +424,26 @@ def test_compiled_autograd_is_refused_with_the_fix():
 
 
 # ------------------------------------------------------------------ the hook before AccumulateGrad
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("mode,clip", [("A", None), ("A", 1.0), ("B", None), ("B", 0.05)],
                          ids=["modeA", "modeA-clip", "modeB", "modeB-clip"])
-def test_gradients_are_taken_before_autograd_accumulates_them(mode, clip):
+def test_gradients_are_taken_before_autograd_accumulates_them(mode, clip, device):
     """Past each pass's first gradient (Python's, which arms the others), the extension takes a
     micro-batch's gradients before AccumulateGrad: autograd never makes them .grad. Not where a gradient is to be adopted as the window's buffer (it needs
     autograd's steal: its own fresh tensor) or where the optimizer state does not exist yet
     (the first update, without clipping, is Python's)."""
-    model = _model(torch.float32)
+    if device == "cuda":
+        from accum_fused.backends import cpp_backend
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        if not cpp_backend.supports(torch.device("cuda"), torch.float32):
+            pytest.skip("the extension was built without CUDA")
+    model = _model(torch.float32, device=device)
     opt = _optimizer("AdamW", model.parameters(), accumulation_steps=K if mode == "B" else 1, max_grad_norm=clip)
     extension = opt._fast_path._extension
     assert all(extension.count_take_before(p) == 1 for p in model.parameters())
     state = opt._fast_path.state
-    x = torch.randn(5, 7)
+    x = torch.randn(5, 7, device=device)
     per_pass = []
     for i in range(3 * K):
         before = state.taken_before_accumulate
