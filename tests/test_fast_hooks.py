@@ -429,9 +429,10 @@ def test_compiled_autograd_is_refused_with_the_fix():
                          ids=["modeA", "modeA-clip", "modeB", "modeB-clip"])
 def test_gradients_are_taken_before_autograd_accumulates_them(mode, clip, device):
     """Past each pass's first gradient (Python's, which arms the others), the extension takes a
-    micro-batch's gradients before AccumulateGrad: autograd never makes them .grad. Not where a gradient is to be adopted as the window's buffer (it needs
-    autograd's steal: its own fresh tensor) or where the optimizer state does not exist yet
-    (the first update, without clipping, is Python's)."""
+    micro-batch's gradients before AccumulateGrad: autograd never makes them .grad. Not where a
+    gradient is to be adopted as the window's buffer (it needs autograd's steal: its own fresh
+    tensor) or where the optimizer state does not exist yet (the first update, without
+    clipping, is Python's). close() takes the hooks off the accumulator nodes."""
     if device == "cuda":
         from accum_fused.backends import cpp_backend
         if not torch.cuda.is_available():
