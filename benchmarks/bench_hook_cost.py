@@ -24,6 +24,9 @@ median ms per pass over --repeats windows, and the window's sum: where in a wind
 or loses against the native loop (the first pass adopts gradients, the last folds the update).
 
     python benchmarks/bench_hook_cost.py --tensors 5000 --numel-per-tensor 4096 --window 4 --repeats 15
+
+``--clip 1.0`` clips every window (native: ``clip_grad_norm_`` inside its step, as a step
+pre-hook; accum_fused: ``max_grad_norm``): where a clipped window's extra cost sits.
 """
 import argparse
 import json
@@ -44,6 +47,8 @@ parser.add_argument("--numel-per-tensor", type=int, default=64)
 parser.add_argument("--repeats", type=int, default=41)
 parser.add_argument("--threads", type=int, default=2)
 parser.add_argument("--window", type=int, default=0, help="time whole windows of this many passes")
+parser.add_argument("--clip", type=float, default=None,
+                    help="max_grad_norm (native: clip_grad_norm_ in a step pre-hook, so inside its step)")
 parser.add_argument("--json", default=None)
 args = parser.parse_args()
 torch.set_num_threads(args.threads)
@@ -62,9 +67,9 @@ def contender(name):
         for p in params:
             p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     elif name == "mode_a":
-        opt = accum_fused.AdamW(params, lr=1e-3, in_backward=True)
+        opt = accum_fused.AdamW(params, lr=1e-3, in_backward=True, max_grad_norm=args.clip)
     elif name == "mode_b":
-        opt = accum_fused.AdamW(params, lr=1e-3, in_backward=True, accumulation_steps=K)
+        opt = accum_fused.AdamW(params, lr=1e-3, in_backward=True, accumulation_steps=K, max_grad_norm=args.clip)
 
     def one_pass():
         loss = loss_of(*params)
@@ -74,6 +79,10 @@ def contender(name):
             loss.backward()
     if name == "native":
         opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+        if args.clip is not None:
+            def clip(*_):
+                torch.nn.utils.clip_grad_norm_(params, args.clip)
+            opt.register_step_pre_hook(clip)
     for _ in range(3):  # the window's first passes (adopt, arm) and a steady one
         one_pass()
     return one_pass, opt
@@ -141,7 +150,7 @@ if args.json:
     Path(args.json).write_text(json.dumps(dict(
         benchmark="bench_hook_cost", date=time.strftime("%Y-%m-%dT%H:%M:%S"),
         config=dict(tensors=N, numel_per_tensor=D, repeats=args.repeats, threads=args.threads,
-                    window=args.window or None),
+                    window=args.window or None, clip=args.clip),
         versions=dict(accum_fused_path=str(Path(accum_fused.__file__).parent), git_commit=commit,
                       torch=torch.__version__, python=platform.python_version()),
         results=rows), indent=1))
