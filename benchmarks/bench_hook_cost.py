@@ -18,7 +18,8 @@ a before/after; compare only within one sitting.
     python benchmarks/bench_hook_cost.py --tensors 5000 --numel-per-tensor 64 --repeats 41
 
 With ``--window K`` it times whole windows of K passes instead, pass by pass (each contender's
-pass i of a window next to the others'): native (the last pass then step + zero_grad), mode_a
+pass i of a window next to the others'): native (the last pass then step + zero_grad), plain
+(accumulation_steps=K, step() after each pass's backward: the last pass's updates), mode_a
 (step + zero_grad after the K passes) and mode_b (accumulation_steps=K: the last pass updates),
 median ms per pass over --repeats windows, and the window's sum: where in a window a mode gains
 or loses against the native loop (the first pass adopts gradients, the last folds the update).
@@ -70,6 +71,8 @@ def contender(name):
         opt = accum_fused.AdamW(params, lr=1e-3, in_backward=True, max_grad_norm=args.clip)
     elif name == "mode_b":
         opt = accum_fused.AdamW(params, lr=1e-3, in_backward=True, accumulation_steps=K, max_grad_norm=args.clip)
+    elif name == "plain":
+        opt = accum_fused.AdamW(params, lr=1e-3, accumulation_steps=K, max_grad_norm=args.clip)
 
     def one_pass():
         loss = loss_of(*params)
@@ -77,6 +80,8 @@ def contender(name):
             opt.backward(loss)
         else:
             loss.backward()
+        if name == "plain":
+            opt.step()  # (the window's k-th updates)
     if name == "native":
         opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
         if args.clip is not None:
@@ -109,20 +114,23 @@ def middle_passes():
 
 
 def windows():
-    names = ["native", "mode_a", "mode_b"]
+    names = ["native", "plain", "mode_a", "mode_b"]
+    updates_in_pass = ("plain", "mode_b")  # (the window's last pass updates: no step column)
     contenders = {name: contender(name) for name in names}
     for name in ("native", "mode_a"):  # (let them end the window contender() began)
         contenders[name][1].step()
         contenders[name][1].zero_grad()
-    for _ in range((K - 3 % K) % K):  # (mode B's window too: contender() ran 3 passes)
-        contenders["mode_b"][0]()
+    untimed = 3 + (K - 3 % K) % K  # (theirs too: contender() ran 3 passes)
+    for name in updates_in_pass:
+        for _ in range(untimed - 3):
+            contenders[name][0]()
     times = {name: [[] for _ in range(K + 1)] for name in names}  # per pass; then step + zero_grad
     for r in range(args.repeats):
         order = names[r % len(names):] + names[:r % len(names)]
         for i in range(K + 1):
             for name in order:
                 one_pass, opt = contenders[name]
-                if i == K and name == "mode_b":
+                if i == K and name in updates_in_pass:
                     continue
                 t = time.perf_counter()
                 if i < K:
@@ -131,7 +139,9 @@ def windows():
                     opt.step()
                     opt.zero_grad()
                 times[name][i].append((time.perf_counter() - t) * 1e3)
-    assert contenders["mode_b"][1].update_count == args.repeats + 1, "mode B's windows did not close where timed"
+    for name in updates_in_pass:
+        assert contenders[name][1].update_count == untimed // K + args.repeats, \
+            f"{name}'s windows did not close where timed"
     rows = []
     print(" " * 8 + "".join(f"{'pass ' + str(i + 1):>9s}" for i in range(K)) + "     step   window")
     for name in names:
@@ -139,7 +149,7 @@ def windows():
         rows.append(dict(contender=name, median_ms_per_pass=medians[:K], median_ms_step=medians[K],
                          window_ms=sum(medians), times_ms=times[name]))
         print(f"{name:8s}" + "".join(f"{m:9.1f}" for m in medians[:K]) +
-              (f"{medians[K]:9.1f}" if name != "mode_b" else "        -") + f"{sum(medians):9.1f}")
+              (f"{medians[K]:9.1f}" if name not in updates_in_pass else "        -") + f"{sum(medians):9.1f}")
     return rows
 
 
