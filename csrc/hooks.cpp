@@ -342,12 +342,12 @@ struct HookState {
     return true;
   }
 
-  // Whether TakeBeforeAccumulate took this pass's gradient of `param`: autograd calls the
-  // post-accumulate-grad slot all the same, with .grad None.
-  bool took_before_accumulate(int64_t slot_id, const Tensor& param) const {
+  // Whether TakeBeforeAccumulate took this pass's gradient for the slot: autograd calls the
+  // post-accumulate-grad slot all the same, with .grad None (ExtensionHook asks only then).
+  bool took_before_accumulate(int64_t slot_id) const {
     const Lock lock(mu);
-    return !param.grad().defined() && slot_id < static_cast<int64_t>(slots.size()) &&
-           slots[slot_id].seen_task >= 0 && slots[slot_id].seen_task == torch::autograd::get_current_graph_task_id();
+    return slot_id < static_cast<int64_t>(slots.size()) && slots[slot_id].seen_task >= 0 &&
+           slots[slot_id].seen_task == torch::autograd::get_current_graph_task_id();
   }
 
   bool take_grad(int64_t slot_id, const Tensor& param, const Tensor& grad, bool before_accumulate) {
@@ -517,7 +517,8 @@ struct ExtensionHook : torch::autograd::PostAccumulateGradHook {
   }
 
   void operator()(const torch::autograd::Variable& param) override {
-    if (state->took_before_accumulate(slot, param)) return;
+    // (.grad set: autograd accumulated, the common case of the slot path, without a second lock)
+    if (!param.grad().defined() && state->took_before_accumulate(slot)) return;
     if (!state->take(slot, param)) {
       py::gil_scoped_acquire gil;
       THPObjectPtr arg(THPVariable_Wrap(param));  // (the very Parameter object)
@@ -577,11 +578,13 @@ struct KeptAccumulator {
   c10::intrusive_ptr<torch::autograd::Node> node;
 };
 
+bool is_take_before(const std::unique_ptr<torch::autograd::FunctionPreHook>& hook) {
+  return dynamic_cast<TakeBeforeAccumulate*>(hook.get()) != nullptr;
+}
+
 void erase_take_before(torch::autograd::Node& node) {
   auto& hooks = node.pre_hooks();
-  hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
-                             [](const auto& h) { return dynamic_cast<TakeBeforeAccumulate*>(h.get()) != nullptr; }),
-              hooks.end());
+  hooks.erase(std::remove_if(hooks.begin(), hooks.end(), is_take_before), hooks.end());
 }
 
 // How many TakeBeforeAccumulate hooks `param`'s accumulator node holds (tests: one while hooked,
@@ -590,8 +593,7 @@ int64_t count_take_before(const Tensor& param) {
   auto node = torch::autograd::impl::try_get_grad_accumulator(param);
   if (!node) return 0;
   const auto& hooks = node->pre_hooks();
-  return std::count_if(hooks.begin(), hooks.end(),
-                       [](const auto& h) { return dynamic_cast<TakeBeforeAccumulate*>(h.get()) != nullptr; });
+  return std::count_if(hooks.begin(), hooks.end(), is_take_before);
 }
 
 // A TakeBeforeAccumulate for `param`, whose slot holds this slot's ExtensionHook (install_hook),
