@@ -264,7 +264,10 @@ class Window:
         if closing:
             plan.close(opt, self, weight, grad_scale)
             return True
-        newly_live, _ = table.cpp.take(weight, device_scalar(grad_scale, table.device), opt.accumulation_steps > 1)
+        newly_live, _, given, given_buffers, adopted = table.cpp.take(
+            weight, device_scalar(grad_scale, table.device), opt.accumulation_steps > 1)
+        if given:
+            self._table_gave_buffers(table, given, given_buffers, adopted)
         if newly_live:
             if not self.live and len(newly_live) == len(table.buffered):
                 self.live.update(table.buffered)  # (set to set: no tensor hashed again)
@@ -272,6 +275,18 @@ class Window:
                 self.live.update(table.params[i] for i in newly_live)
         self.updated = False
         return True
+
+    def _table_gave_buffers(self, table: StepTable, given: list[int], buffers: list[Tensor], adopted: int) -> None:
+        """The table gave these parameters buffers (their first ``adopted`` are autograd's
+        gradients, taken zero-copy and let go of when the window ends, as the in-backward hooks
+        adopt them; the rest fresh ones, kept): ``buffers`` follows, the table stays current."""
+        params = [table.params[i] for i in given]
+        self.buffers.update(zip(params, buffers))
+        if adopted:
+            self.adopted.update(params[:adopted])
+        if adopted < len(params):
+            self.buffers_version += 1  # (a buffer kept between windows; the table mirrors it: no version)
+        table.buffered.update(params)
 
     def _running_found_inf(self, found_inf: Tensor | None) -> Tensor | None:
         """The window's non-finite flag with this micro-batch's (GradScaler's) added: summed on
@@ -535,10 +550,18 @@ class Window:
     def discard(self) -> None:
         """Empty the window (counters of past updates stay; buffers stay allocated, stale)."""
         table = self.step_table
-        current = table is not None and table.version == self.version and not self.adopted
+        # (while the table is current, the window's adopted buffers are the ones it gave)
+        current = table is not None and table.version == self.version
         # A new window: what was cached from this one's live set (in_backward.FastPath's arm lists)
-        # does not carry over. The step table follows (no live flag), unless it was stale already.
+        # does not carry over. The step table follows (no live flag, no adopted buffer), unless it
+        # was stale already.
         self.changed(kept=False)
+        if current and self.adopted:
+            table.cpp.drop_adopted()
+            if len(self.adopted) == len(table.buffered):
+                table.buffered = set()
+            else:
+                table.buffered.difference_update(self.adopted)
         if self.hook_state is not None:
             self.hook_state.new_window()
         if len(self.adopted) == len(self.buffers) and self.sync is None:
@@ -672,7 +695,9 @@ class StepTable:
                 buf = None
             buffers.append(buf)
         live = [p in win.live for p in params]
-        table = cpp._C.StepTable(params, buffers, live)
+        adopted = [p in win.adopted for p in params]
+        # (DDP's buffers are views of its flat buckets: not to be replaced by gradients)
+        table = cpp._C.StepTable(params, buffers, live, adopted, may_adopt=win.sync is None and win.shards is None)
         return StepTable(table, params, {p for p, buf in zip(params, buffers) if buf is not None}, device, win.version)
 
 
@@ -702,6 +727,8 @@ class ClosingPlan:
         n = len(table.params)
         if present != n or table.cpp.live_count not in (0, n) or not hasattr(opt, "_state_lists"):
             return None
+        if table.cpp.missing_buffers():  # (a closing micro-batch without live buffers: Window.buffer allocates)
+            return None
         if not table.cpp.conforms():
             return None
         if not table.state_conformed:
@@ -714,13 +741,13 @@ class ClosingPlan:
                 return None
             plan.key = ClosingPlan.state_key(opt)
             table.closing_plan = plan if plan.cacheable else None
-        if not all(opt._uniform_call_key(lists) for _, _, _, lists, _, _ in plan.calls):
+        if not all(opt._uniform_call_key(lists) for _, _, lists, _, _ in plan.calls):
             return None
         return plan
 
     def current(self, opt) -> bool:
         return self.key == ClosingPlan.state_key(opt) and all(
-            opt._state_lists_stand(params, lists) for _, params, _, lists, _, _ in self.calls)
+            opt._state_lists_stand(params, lists) for _, params, lists, _, _ in self.calls)
 
     @staticmethod
     def state_key(opt) -> tuple:
@@ -739,8 +766,7 @@ class ClosingPlan:
                 return None
             lists = opt._state_lists(group, params)
             cacheable &= not any(t is None for values in lists.values() for t in values)
-            calls.append((group, params, [win.buffers[p] for p in params], lists, opt._backend_for(params[0]),
-                          slice(start, start + len(params))))
+            calls.append((group, params, lists, opt._backend_for(params[0]), slice(start, start + len(params))))
             start += len(params)
         return ClosingPlan(table, calls, cacheable)
 
@@ -752,7 +778,8 @@ class ClosingPlan:
             table.cpp.release(clear)  # (the list keeps the gradients for the update pass)
         else:
             norm_weight_sum = win.weight_sum if opt.max_grad_norm is not None else None
-            _, self.norms = table.cpp.take(weight, device_scalar(grad_scale, table.device), clear, norm_weight_sum)
+            # (every buffer is live at closing: none given, so no return but the norms matters)
+            self.norms = table.cpp.take(weight, device_scalar(grad_scale, table.device), clear, norm_weight_sum)[1]
         win.live.update(table.buffered)
         try:
             win.close(opt, (), weight, grad_scale, plan=self)
@@ -762,7 +789,9 @@ class ClosingPlan:
     def update(self, opt, win: Window, last_weight: float, grad_scale: Tensor | None, weight_sum: float) -> None:
         """Window.close's update: one ``opt._update`` call per param group."""
         clip_coef = None if opt.max_grad_norm is None else win.clip_for(opt, torch.linalg.vector_norm(self.norms))
-        for group, params, buffers, lists, backend, span in self.calls:
+        all_buffers = self.table.cpp.buffers()  # (not kept with the lists: adopted buffers are new each window)
+        for group, params, lists, backend, span in self.calls:
+            buffers = all_buffers[span]
             last = {}
             if self.last_grads is not None:
                 last = dict(grads=self.last_grads[span], weight=last_weight, overwrite=self.overwrite,

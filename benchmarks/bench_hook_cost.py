@@ -23,11 +23,19 @@ pass i of a window next to the others'): native (the last pass then step + zero_
 (step + zero_grad after the K passes) and mode_b (accumulation_steps=K: the last pass updates),
 median ms per pass over --repeats windows, and the window's sum: where in a window a mode gains
 or loses against the native loop (the first pass adopts gradients, the last folds the update).
+py_drop's K passes are the floor: a window's optimizer side is its sum less py_drop's.
 
     python benchmarks/bench_hook_cost.py --tensors 5000 --numel-per-tensor 4096 --window 4 --repeats 15
 
 ``--clip 1.0`` clips every window (native: ``clip_grad_norm_`` inside its step, as a step
 pre-hook; accum_fused: ``max_grad_norm``): where a clipped window's extra cost sits.
+
+``--shapes-of gpt`` (or ``lora``) takes the tensors' shapes from bench_transformer.py's default
+GPT (53 tensors, 21M parameters) or its LoRA GPT (288 rank-8 adapters) instead of N x D: that
+model's optimizer side, pass by pass, without the forward and backward whose noise hides it in
+the whole model (a pass of the 21M GPT varies by tens of ms; its optimizer side is tens of ms).
+
+    python benchmarks/bench_hook_cost.py --shapes-of gpt --window 8 --clip 1.0 --repeats 15
 """
 import argparse
 import json
@@ -42,6 +50,8 @@ import torch
 import accum_fused
 from _cheap_loss import cheap_loss
 
+# bench_transformer.py's arguments for the models whose shapes --shapes-of takes.
+MODELS = {"gpt": [], "lora": ["--lora", "8", "--layers", "24", "--qkv", "separate", "--d-model", "256", "--heads", "4"]}
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--tensors", type=int, default=5000)
 parser.add_argument("--numel-per-tensor", type=int, default=64)
@@ -50,16 +60,25 @@ parser.add_argument("--threads", type=int, default=2)
 parser.add_argument("--window", type=int, default=0, help="time whole windows of this many passes")
 parser.add_argument("--clip", type=float, default=None,
                     help="max_grad_norm (native: clip_grad_norm_ in a step pre-hook, so inside its step)")
+parser.add_argument("--shapes-of", choices=tuple(MODELS), default=None,
+                    help="the trainable tensors of this bench_transformer.py model instead of N x D")
 parser.add_argument("--json", default=None)
 args = parser.parse_args()
 torch.set_num_threads(args.threads)
-N, D = args.tensors, args.numel_per_tensor
+if args.shapes_of:
+    import bench_transformer
+    model = bench_transformer.build_model(bench_transformer.parse_args(MODELS[args.shapes_of]))
+    SHAPES = [p.shape for p in model.parameters() if p.requires_grad]
+    del model
+else:
+    SHAPES = [(args.numel_per_tensor,)] * args.tensors
+N, D = len(SHAPES), args.numel_per_tensor
 K = args.window or 1000  # (without --window, mode B's window never closes here)
 
 
 def contender(name):
-    params = [torch.nn.Parameter(torch.randn(D)) for _ in range(N)]
-    cs = [torch.empty(D).uniform_(-1e-3, 1e-3) for _ in range(N)]
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+    cs = [torch.empty(shape).uniform_(-1e-3, 1e-3) for shape in SHAPES]
 
     loss_of = cheap_loss(cs)
 
@@ -114,8 +133,8 @@ def middle_passes():
 
 
 def windows():
-    names = ["native", "plain", "mode_a", "mode_b"]
-    updates_in_pass = ("plain", "mode_b")  # (the window's last pass updates: no step column)
+    names = ["native", "plain", "mode_a", "mode_b", "py_drop"]
+    updates_in_pass = ("plain", "mode_b", "py_drop")  # (no step column: the last pass updates, or no update)
     contenders = {name: contender(name) for name in names}
     for name in ("native", "mode_a"):  # (let them end the window contender() began)
         contenders[name][1].step()
@@ -135,21 +154,30 @@ def windows():
                 t = time.perf_counter()
                 if i < K:
                     one_pass()
-                else:
+                else:  # (the window's step, native and mode A)
                     opt.step()
                     opt.zero_grad()
                 times[name][i].append((time.perf_counter() - t) * 1e3)
-    for name in updates_in_pass:
+    for name in ("plain", "mode_b"):
         assert contenders[name][1].update_count == untimed // K + args.repeats, \
             f"{name}'s windows did not close where timed"
+    # The window's optimizer side: its sum of per-pass medians less the floor's (py_drop: the
+    # same backward with every gradient dropped, no update).
+    window_ms = {name: sum(statistics.median(ts) if ts else 0.0 for ts in times[name]) for name in names}
+    side = {name: window_ms[name] - window_ms["py_drop"] for name in names}
     rows = []
-    print(" " * 8 + "".join(f"{'pass ' + str(i + 1):>9s}" for i in range(K)) + "     step   window")
+    print(" " * 8 + "".join(f"{'pass ' + str(i + 1):>9s}" for i in range(K)) +
+          "     step   window  / native  optimizer side  / native's")
     for name in names:
         medians = [statistics.median(ts) if ts else 0.0 for ts in times[name]]
         rows.append(dict(contender=name, median_ms_per_pass=medians[:K], median_ms_step=medians[K],
-                         window_ms=sum(medians), times_ms=times[name]))
+                         window_ms=window_ms[name], ratio_vs_native=window_ms[name] / window_ms["native"],
+                         optimizer_side_ms=side[name], optimizer_side_ratio_vs_native=side[name] / side["native"],
+                         times_ms=times[name]))
         print(f"{name:8s}" + "".join(f"{m:9.1f}" for m in medians[:K]) +
-              (f"{medians[K]:9.1f}" if name not in updates_in_pass else "        -") + f"{sum(medians):9.1f}")
+              (f"{medians[K]:9.1f}" if name not in updates_in_pass else "        -") +
+              f"{window_ms[name]:9.1f}{window_ms[name] / window_ms['native']:9.3f}" +
+              ("" if name == "py_drop" else f"{side[name]:15.1f}{side[name] / side['native']:11.3f}"))
     return rows
 
 
@@ -159,7 +187,8 @@ if args.json:
                             cwd=Path(accum_fused.__file__).parent).stdout.strip()
     Path(args.json).write_text(json.dumps(dict(
         benchmark="bench_hook_cost", date=time.strftime("%Y-%m-%dT%H:%M:%S"),
-        config=dict(tensors=N, numel_per_tensor=D, repeats=args.repeats, threads=args.threads,
+        config=dict(tensors=N, numel_per_tensor=None if args.shapes_of else D, shapes_of=args.shapes_of,
+                    numel=sum(torch.Size(shape).numel() for shape in SHAPES), repeats=args.repeats, threads=args.threads,
                     window=args.window or None, clip=args.clip),
         versions=dict(accum_fused_path=str(Path(accum_fused.__file__).parent), git_commit=commit,
                       torch=torch.__version__, python=platform.python_version()),

@@ -205,11 +205,6 @@ class Contender:
     def end_window(self) -> None:
         pass
 
-    def window(self, batches: list[torch.Tensor]) -> None:
-        for tokens in batches:
-            self.micro_batch(lm_loss(self.model, tokens))
-        self.end_window()
-
     def check(self, windows: int) -> str | None:
         return None
 
@@ -324,26 +319,44 @@ PLANNED: dict[str, str] = {}  # contenders named but not written yet
 
 
 # ---------------------------------------------------------------------------------- timing
-def run_rounds(contenders: list[Contender], batches, warmup: int) -> tuple[dict, dict]:
-    """One window per contender per round, first mover rotating; rounds after warm-up are timed."""
+def run_rounds(contenders: list[Contender], batches, warmup: int, by_pass: bool) -> tuple[dict, dict, dict]:
+    """One window per contender per round, rounds after warm-up timed. Window by window (the first
+    mover rotating each round), or with ``by_pass`` micro-batch by micro-batch: every contender's
+    pass i of the round next to the others' (the first mover rotating each pass), the window end
+    timed with the last pass, so that the drift of a shared machine cancels in differences taken
+    pass by pass rather than over seconds. Returns ms per window, ms per pass (by_pass; else
+    empty lists) and minor page faults per window, per contender name."""
     n = len(contenders)
     times = {c.name: [] for c in contenders}
+    pass_times = {c.name: [] for c in contenders}  # per timed round: [ms of pass 0, ..., pass k-1]
     faults = {c.name: [] for c in contenders}  # minor page faults per window: fresh gradient storage
     gc.collect()
     gc.disable()
     try:
         for r, window_batches in enumerate(batches):
-            for c in contenders[r % n:] + contenders[:r % n]:
-                f0 = minor_page_faults()
-                t0 = time.perf_counter()
-                c.window(window_batches)
-                ms = (time.perf_counter() - t0) * 1e3
-                if r >= warmup:
-                    times[c.name].append(ms)
-                    faults[c.name].append(minor_page_faults() - f0)
+            spent = {c.name: [] for c in contenders}
+            faulted = dict.fromkeys(spent, 0)
+            steps = ([(i, [tokens]) for i, tokens in enumerate(window_batches)] if by_pass
+                     else [(0, window_batches)])
+            for i, step_batches in steps:
+                for c in contenders[(r + i) % n:] + contenders[:(r + i) % n]:
+                    f0 = minor_page_faults()
+                    t0 = time.perf_counter()
+                    for tokens in step_batches:
+                        c.micro_batch(lm_loss(c.model, tokens))
+                    if i + len(step_batches) == len(window_batches):
+                        c.end_window()
+                    spent[c.name].append((time.perf_counter() - t0) * 1e3)
+                    faulted[c.name] += minor_page_faults() - f0
+            if r >= warmup:
+                for c in contenders:
+                    times[c.name].append(sum(spent[c.name]))
+                    faults[c.name].append(faulted[c.name])
+                    if by_pass:
+                        pass_times[c.name].append(spent[c.name])
     finally:
         gc.enable()
-    return times, faults
+    return times, pass_times, faults
 
 
 def held_bytes(c: Contender) -> int:
@@ -366,20 +379,37 @@ def versus_native(c: Contender, times: dict, native: Contender) -> dict:
     return out
 
 
-def summarise(contenders: list[Contender], times: dict, faults: dict, clip, windows: int) -> list[dict]:
+def _quartiles(xs: list[float]) -> list[float]:
+    return statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+
+
+def summarise(contenders: list[Contender], times: dict, pass_times: dict, faults: dict, clip,
+              windows: int) -> list[dict]:
     native = next((c for c in contenders if c.name == "native"), None)
     out = []
     for c in contenders:
         ts = times[c.name]
-        q = statistics.quantiles(ts, n=4, method="inclusive") if len(ts) > 1 else [ts[0]] * 3
+        q = _quartiles(ts)
         numel = sum(p.numel() for p in c.params)
         held = held_bytes(c)
         entry = {"contender": c.name, "implementation": c.label, "max_grad_norm": clip, "times_ms": ts,
                  "median_ms": statistics.median(ts), "min_ms": min(ts), "q1_ms": q[0], "q3_ms": q[2],
                  "page_faults_per_window": statistics.median(faults[c.name]),
                  "held_bytes_after_window": held, "held_bytes_per_param_after_window": held / numel}
+        if pass_times[c.name]:
+            entry["median_ms_by_pass"] = [statistics.median(col) for col in zip(*pass_times[c.name])]
         if "fb_only" in times and c.name != "fb_only":
-            entry["optimizer_side_ms"] = statistics.median(t - f for t, f in zip(ts, times["fb_only"]))
+            sides = [t - f for t, f in zip(ts, times["fb_only"])]
+            entry["optimizer_side_ms"] = statistics.median(sides)
+            entry["optimizer_side_iqr_ms"] = _quartiles(sides)[::2]
+            if pass_times[c.name]:
+                # Pass by pass: the median over rounds of each pass's difference to fb_only's pass
+                # next to it, summed over the window's passes (where in the window the side sits).
+                by_pass = [statistics.median(col) for col in zip(*(
+                    [t - f for t, f in zip(mine, floor)] for mine, floor in zip(pass_times[c.name],
+                                                                                 pass_times["fb_only"])))]
+                entry["optimizer_side_ms_by_pass"] = by_pass
+                entry["optimizer_side_ms_sum_of_pass_medians"] = sum(by_pass)
             # (what the optimizer side costs per trainable tensor per micro-batch: host work, with
             # many small tensors)
             entry["optimizer_side_us_per_tensor_per_micro_batch"] = entry["optimizer_side_ms"] * 1e3 / (
@@ -392,6 +422,12 @@ def summarise(contenders: list[Contender], times: dict, faults: dict, clip, wind
             problems.append(f"params off native by {diff:.1e} (> {MAX_PARAM_DIFF:g})")
         entry["check"] = "; ".join(p for p in problems if p) or None
         out.append(entry)
+    native_by_pass = next((e.get("optimizer_side_ms_sum_of_pass_medians") for e in out if e["contender"] == "native"),
+                          None)
+    for entry in out:
+        if native_by_pass and "optimizer_side_ms_sum_of_pass_medians" in entry:
+            entry["optimizer_side_by_pass_ratio_vs_native"] = (entry["optimizer_side_ms_sum_of_pass_medians"]
+                                                               / native_by_pass)
     return out
 
 
@@ -399,8 +435,8 @@ def time_case(args, init_model: nn.Module, batches, clip, impl: str) -> list[dic
     contenders = [CONTENDERS[name](copy.deepcopy(init_model), args.k, clip, args.backend, impl)
                   for name in args.contenders]
     try:
-        times, faults = run_rounds(contenders, batches, args.warmup)
-        return summarise(contenders, times, faults, clip, len(batches))
+        times, pass_times, faults = run_rounds(contenders, batches, args.warmup, args.interleave == "pass")
+        return summarise(contenders, times, pass_times, faults, clip, len(batches))
     finally:
         # Close before the next case builds its optimizers: a live in_backward optimizer keeps
         # its hooks (and its claim) on these parameters until closed or collected.
@@ -416,9 +452,14 @@ def _fmt(r: dict, key: str, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _iqr(q: list[float] | None) -> str:
+    return "" if q is None else f" [{q[0]:.1f}, {q[1]:.1f}]"
+
+
 def print_table(results: list[dict]) -> None:
     header = ["clip", "contender", "ms/window (median)", "IQR ms", "ratio vs native (median of rounds)",
-              "ratio of medians", "optimizer-side ms (- fb_only)", "optimizer-side ratio", "µs/tensor/micro-batch",
+              "ratio of medians", "optimizer-side ms (- fb_only) [IQR]", "optimizer-side ratio",
+              "optimizer-side ms, pass by pass", "its ratio", "µs/tensor/micro-batch",
               "page faults per window",
               "held B/param after a window", "max |Δparam| vs native", "check"]
     print()
@@ -427,7 +468,10 @@ def print_table(results: list[dict]) -> None:
     for r in results:
         row = [str(r["max_grad_norm"]), r["contender"], f"{r['median_ms']:.1f}", f"{r['q1_ms']:.1f}-{r['q3_ms']:.1f}",
                _fmt(r, "median_ratio_vs_native", ".3f"), _fmt(r, "ratio_of_medians_vs_native", ".3f"),
-               _fmt(r, "optimizer_side_ms", ".1f"), _fmt(r, "optimizer_side_ratio_vs_native", ".3f"),
+               _fmt(r, "optimizer_side_ms", ".1f") + _iqr(r.get("optimizer_side_iqr_ms")),
+               _fmt(r, "optimizer_side_ratio_vs_native", ".3f"),
+               _fmt(r, "optimizer_side_ms_sum_of_pass_medians", ".1f"),
+               _fmt(r, "optimizer_side_by_pass_ratio_vs_native", ".3f"),
                _fmt(r, "optimizer_side_us_per_tensor_per_micro_batch", ".2f"), f"{r['page_faults_per_window']:.0f}", f"{r['held_bytes_per_param_after_window']:.2f}",
                _fmt(r, "max_abs_diff_vs_native", ".1e"), r["check"] or "ok"]
         print("| " + " | ".join(row) + " |")
@@ -486,6 +530,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="freeze the model and train rank-RANK adapters on every Linear of the blocks (issue 31)")
     ap.add_argument("--contenders", default="native,plain,mode_a,mode_b,fb_only",
                     help=f"comma list of {', '.join(CONTENDERS)}")
+    ap.add_argument("--interleave", choices=("window", "pass"), default="window",
+                    help="interleave the contenders window by window, or micro-batch by micro-batch")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=2)
@@ -519,7 +565,7 @@ def config_record(args, model: nn.Module, clips: list, resolved: str, impl: str)
             "trainable_tensors": sum(p.requires_grad for p in params),
             "tokens_per_window": args.k * args.micro_batch * args.seq, "clips": clips,
             "contenders": args.contenders, "backend": args.backend, "resolved_backend": resolved,
-            "native_adamw": impl, "warmup": args.warmup, "repeats": args.repeats, "lr": LR,
+            "native_adamw": impl, "interleave": args.interleave, "warmup": args.warmup, "repeats": args.repeats, "lr": LR,
             "weight_decay": WEIGHT_DECAY, "betas": [0.9, 0.999], "seed": args.seed, "dtype": "float32",
             "data": "random token ids (torch.Generator seeded seed + 1); next-token cross entropy, "
                     "mean over the micro-batch's tokens"}

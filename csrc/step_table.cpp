@@ -16,17 +16,30 @@
 // warns as specified), and window.py keeps the table true afterwards (`mark_live`,
 // `reset_live`) or drops it.
 //
-//   StepTable(params, buffers, live)       params: the optimizer's, in order
+// A window's first gradient of a parameter whose buffer the last window let go of (an adopted
+// one, below) or that never had one gets a buffer here: autograd's own gradient tensor where
+// nothing else holds it (zero-copy, as the in-backward hooks adopt: the native loop's first
+// micro-batch costs no bytes either, and between windows the parameter holds no buffer, 12 B
+// per fp32 AdamW parameter instead of 16), else a fresh one, kept between windows.
+//
+//   StepTable(params, buffers, live, adopted, may_adopt)
+//                                          params: the optimizer's, in order; adopted: buffers
+//                                          that are adopted gradients (let go of as windows end)
 //     check(param_lists) -> n              gradients present; -1: not the table's to take
-//     take(weight, grad_scale, clear, norm_weight_sum=None) -> (newly live indices, norms or None)
-//                                          (right after a check > 0)
+//     take(weight, grad_scale, clear, norm_weight_sum=None)
+//         -> (newly live indices, norms or None, indices given a buffer, those buffers, how many
+//             of them (the first) are adopted gradients)       (right after a check > 0)
+//     drop_adopted()                       the window ended: its adopted buffers go
+//     buffers(), missing_buffers()         every buffer in order (none missing); how many are
 //     present_grads(), release(clear)      the checked gradients, and taking them without adding
 //                                          (the closing micro-batch folded into the update)
 //     drop_checked()                       not taking them after all
 //     mark_live(params), reset_live(), live_count
 //     conforms()                           every buffer still fits its parameter (Window.conform's check)
 #include <torch/extension.h>
+#include <torch/version.h>
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 #include <unordered_map>
@@ -48,15 +61,19 @@ struct StepTable {
   std::vector<Tensor> buffers;  // undefined: none yet
   std::vector<at::ScalarType> param_dtypes;
   std::vector<char> live;
+  std::vector<char> adopted;  // buffers[i] is an adopted gradient: let go of when the window ends
+  bool may_adopt;             // (not where the buffers are views of one flat storage: DDP's)
   std::unordered_map<const c10::TensorImpl*, int64_t> index_of;
   std::vector<int64_t> present;  // filled by check: indices with a gradient
   std::vector<Tensor> grads;     // and those gradients
   int64_t live_count = 0;
 
   StepTable(const py::list& param_objects, const std::vector<std::optional<Tensor>>& bufs,
-            const std::vector<bool>& live_now) {
+            const std::vector<bool>& live_now, const std::vector<bool>& adopted_now, bool adopt)
+      : may_adopt(adopt) {
     const size_t n = param_objects.size();
-    TORCH_CHECK(bufs.size() == n && live_now.size() == n, "StepTable: lists differ in length");
+    TORCH_CHECK(bufs.size() == n && live_now.size() == n && adopted_now.size() == n,
+                "StepTable: lists differ in length");
     objects.reserve(n);
     params.reserve(n);
     for (size_t i = 0; i < n; ++i) {
@@ -70,6 +87,7 @@ struct StepTable {
       TORCH_CHECK(!live_now[i] || buffers.back().defined(), "StepTable: a live parameter without a buffer");
       live.push_back(live_now[i] ? 1 : 0);
       live_count += live_now[i];
+      adopted.push_back(adopted_now[i] && buffers.back().defined() ? 1 : 0);
     }
   }
 
@@ -91,11 +109,44 @@ struct StepTable {
   bool fits(size_t i, const Tensor& g) const {
     const Tensor& p = params[i];
     const Tensor& b = buffers[i];
-    if (!b.defined() || p.scalar_type() != param_dtypes[i] || p.device() != b.device() || p.sizes() != b.sizes()) {
-      return false;  // no buffer yet, or the parameter changed: Window.conform's work
+    if (g.layout() != at::kStrided || !kernel_dtype(g.scalar_type()) || !plain_memory(g)) return false;
+    if (p.scalar_type() != param_dtypes[i]) return false;  // the parameter changed: Window.conform's work
+    if (!b.defined()) {
+      // take gives it one: the gradient itself or a contiguous fp32 buffer (Window.buffer's, for
+      // a contiguous parameter of a kernel dtype); anything else is Window.buffer's to allocate.
+      return !live[i] && kernel_dtype(p.scalar_type()) && p.is_contiguous() && g.is_contiguous() &&
+             g.device() == p.device() && g.sizes() == p.sizes();
     }
-    return g.layout() == at::kStrided && kernel_dtype(g.scalar_type()) && g.device() == b.device() &&
-           g.sizes() == b.sizes() && same_memory_layout(g, b) && plain_memory(g);
+    if (p.device() != b.device() || p.sizes() != b.sizes()) return false;
+    return g.device() == b.device() && g.sizes() == b.sizes() && same_memory_layout(g, b);
+  }
+
+  // Whether the gradient at position k of the last check can become its parameter's buffer, as
+  // in_backward._can_adopt takes one: fp32 (the buffer's dtype), weight 1, no scale to undo,
+  // plain-mode micro-batches (clear: .grad is freed, so only the buffer holds it), and nothing
+  // else holding the tensor or its memory -- the parameter's .grad and this table's check are
+  // its only references, it is no view and no other tensor shares its storage -- so that adding
+  // into it later changes no tensor anyone else can see. Nor a gradient with a graph
+  // (backward(create_graph=True)).
+  bool can_adopt(size_t k, double weight, bool scaled, bool clear) const {
+    const Tensor& g = grads[k];
+    const Tensor& p = params[present[k]];
+    return may_adopt && clear && weight == 1.0 && !scaled && g.scalar_type() == at::kFloat &&
+           p.scalar_type() == at::kFloat && !g.is_view() && !g.requires_grad() && only_held_here(g) &&
+           g.storage().use_count() == 1 && g.is_contiguous() && p.is_contiguous();
+  }
+
+  // Whether the parameter's .grad slot and this table's check hold the gradient's only
+  // references: AccumulateGrad's own test for stealing a gradient. A Python wrapper made for it
+  // once (`p.grad` read in Python) stays with the tensor and holds a reference too; it counts
+  // only where nothing in Python holds the wrapper (torch >= 2.13 tells; before, such a
+  // gradient is copied).
+  static bool only_held_here(const Tensor& g) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+    return torch::autograd::impl::is_tensor_stealable(g, /*num_expected_refs=*/2);
+#else
+    return g.use_count() <= 2;
+#endif
   }
 
   int64_t check(const py::list& param_lists) {
@@ -121,9 +172,34 @@ struct StepTable {
   // Window.accumulate groups them -- then frees .grad (clear) and returns the indices whose
   // buffers became live. With norm_weight_sum (a window's closing micro-batch, clipped), also
   // ||buffer / norm_weight_sum|| of each taken gradient's buffer, in the order of the check.
-  std::tuple<std::vector<int64_t>, std::optional<Tensor>> take(double weight, const std::optional<Tensor>& grad_scale,
-                                                               bool clear, std::optional<double> norm_weight_sum) {
+  using Taken = std::tuple<std::vector<int64_t>, std::optional<Tensor>, std::vector<int64_t>, std::vector<Tensor>,
+                           int64_t>;
+  Taken take(double weight, const std::optional<Tensor>& grad_scale, bool clear,
+             std::optional<double> norm_weight_sum) {
     TORCH_CHECK(present.size() == grads.size(), "StepTable.take: check() first");
+    // Buffers first: adopted gradients (no accumulate for them: weight 1, overwrite), then fresh
+    // ones for the rest of those without.
+    std::vector<int64_t> given, fresh;
+    std::vector<Tensor> given_buffers, fresh_buffers;
+    std::vector<char> skip(present.size(), 0);
+    for (size_t k = 0; k < present.size(); ++k) {
+      const int64_t i = present[k];
+      if (buffers[i].defined()) continue;
+      if (!norm_weight_sum.has_value() && can_adopt(k, weight, grad_scale.has_value(), clear)) {
+        buffers[i] = grads[k];
+        adopted[i] = 1;
+        skip[k] = 1;
+        given.push_back(i);
+        given_buffers.push_back(grads[k]);
+      } else {
+        buffers[i] = at::empty(params[i].sizes(), params[i].options().dtype(at::kFloat));
+        fresh.push_back(i);
+        fresh_buffers.push_back(buffers[i]);
+      }
+    }
+    const auto adopted_now = static_cast<int64_t>(given.size());
+    given.insert(given.end(), fresh.begin(), fresh.end());
+    given_buffers.insert(given_buffers.end(), fresh_buffers.begin(), fresh_buffers.end());
     struct Group {
       at::ScalarType dtype;
       bool overwrite;
@@ -132,6 +208,7 @@ struct StepTable {
     };
     std::vector<Group> groups;
     for (size_t k = 0; k < present.size(); ++k) {
+      if (skip[k]) continue;
       const int64_t i = present[k];
       const bool overwrite = !live[i];
       const at::ScalarType d = grads[k].scalar_type();
@@ -163,7 +240,18 @@ struct StepTable {
       }
     }
     std::vector<int64_t> newly_live = release(clear);
-    return {std::move(newly_live), std::move(norms)};
+    return {std::move(newly_live), std::move(norms), std::move(given), std::move(given_buffers), adopted_now};
+  }
+
+  // The window ended: the buffers that were its adopted gradients go (Window.discard drops
+  // them from window.buffers); the next window's first gradients get new ones.
+  void drop_adopted() {
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      if (adopted[i]) {
+        buffers[i] = Tensor();
+        adopted[i] = 0;
+      }
+    }
   }
 
   // The gradients found by the last check, in its order (a closing micro-batch folded into the
@@ -220,6 +308,17 @@ struct StepTable {
     return true;
   }
 
+  // Every parameter's buffer, in order (window.ClosingPlan's update reads them: a window's
+  // adopted ones are new each window); none may be missing.
+  std::vector<Tensor> all_buffers() const {
+    for (const Tensor& b : buffers) TORCH_CHECK(b.defined(), "StepTable.buffers: a parameter without a buffer");
+    return buffers;
+  }
+
+  int64_t missing_buffers() const {
+    return std::count_if(buffers.begin(), buffers.end(), [](const Tensor& b) { return !b.defined(); });
+  }
+
   void reset_live() {
     std::fill(live.begin(), live.end(), 0);
     live_count = 0;
@@ -230,8 +329,9 @@ struct StepTable {
 
 void register_step_table(py::module& m) {
   py::class_<StepTable>(m, "StepTable")
-      .def(py::init<const py::list&, const std::vector<std::optional<Tensor>>&, const std::vector<bool>&>(),
-           py::arg("params"), py::arg("buffers"), py::arg("live"))
+      .def(py::init<const py::list&, const std::vector<std::optional<Tensor>>&, const std::vector<bool>&,
+                    const std::vector<bool>&, bool>(),
+           py::arg("params"), py::arg("buffers"), py::arg("live"), py::arg("adopted"), py::arg("may_adopt"))
       .def("check", &StepTable::check, py::arg("param_lists"))
       .def("take", &StepTable::take, py::arg("weight"), py::arg("grad_scale"), py::arg("clear"),
            py::arg("norm_weight_sum") = py::none())
@@ -240,6 +340,9 @@ void register_step_table(py::module& m) {
       .def("drop_checked", &StepTable::drop_checked)
       .def("mark_live", &StepTable::mark_live, py::arg("params"))
       .def("reset_live", &StepTable::reset_live)
+      .def("drop_adopted", &StepTable::drop_adopted)
+      .def("buffers", &StepTable::all_buffers)
+      .def("missing_buffers", &StepTable::missing_buffers)
       .def("conforms", &StepTable::conforms)
       .def_readonly("live_count", &StepTable::live_count);
 }

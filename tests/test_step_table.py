@@ -259,15 +259,17 @@ def test_a_stale_buffer_that_no_longer_fits_is_dropped_when_the_table_is_built(m
         if with_extra:
             loss = loss + (extra * extra).sum()
         loss.backward()
-        opt.step()
+        opt.step(weight=0.5)  # (not 1: the buffers are fresh ones, kept between windows, not adopted gradients)
 
     for _ in range(3):
         micro_batch(True)
+    assert extra in opt._window.buffers and not opt._window.adopted
     extra.data = torch.ones(6)  # resized between windows
     opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
     micro_batch(False)  # a table is built here, with extra's stale buffer in the window
     micro_batch(False)
-    assert counted.taken == 2 and extra not in opt._window.buffers
+    # (the first window's two, and these two)
+    assert counted.taken == 4 and extra not in opt._window.buffers
     micro_batch(True)  # the closing micro-batch: extra's first gradient since the resize
     # (two of the window's three micro-batches gave extra no gradient: they count as zeros)
     assert opt.update_count == 2 and torch.allclose(extra.detach(), torch.full((6,), 1 - 0.1 * 2 / 3))
@@ -296,7 +298,7 @@ def test_step_counts_that_differ_close_in_python(monkeypatch):
     counted, end = _run_windows(monkeypatch, False, side_in=side_in)
     with monkeypatch.context() as m:
         _, spec_end = _run_windows(m, True, side_in=side_in)
-    assert counted.closed == 1  # window 2 only (window 1 allocates; 3 lacks side; 4.. differ)
+    assert counted.closed == 2  # windows 1 and 2 (the table gives window 1 its buffers; 3 lacks side; 4.. differ)
     _assert_same(end, spec_end)
 
 
@@ -337,7 +339,10 @@ def test_a_closing_micro_batch_the_plan_refuses_is_not_kept_alive(monkeypatch):
         grad = weakref.ref(model.body[0].weight.grad)
         opt.step()
         opt.zero_grad()
-        assert grad() is None, f"micro-batch {i}: its gradient is still alive after step()"
+        if i % 2 == 0:  # (a window's first gradient became its buffer: alive until the window ends)
+            assert grad() is opt._window.buffers[model.body[0].weight]
+        else:
+            assert grad() is None, f"micro-batch {i}: its gradient is still alive after step()"
     assert counted.closed == 0 and opt.update_count == 3
 
 
@@ -359,3 +364,103 @@ def test_the_plan_follows_state_replaced_by_hand(monkeypatch, swap):
         _, spec_end = _run_windows(m, True, between=between)
     assert counted.closed >= 4
     _assert_same(end, spec_end)
+
+
+def _count_builds(monkeypatch) -> list:
+    builds = []
+    original = window_module.StepTable.build
+
+    def build(opt, win):
+        builds.append(1)
+        return original(opt, win)
+
+    monkeypatch.setattr(window_module.StepTable, "build", staticmethod(build))
+    return builds
+
+
+def _train_unweighted(monkeypatch, make, off, micro_batches, before_step=None, after_step=None):
+    counted = Counted(monkeypatch, off)
+    model = Net()
+    opt = make(model.parameters())
+    for i, (x, y) in enumerate(_batches(micro_batches)):
+        ((model(x) - y) ** 2).mean().backward()
+        if before_step is not None:
+            before_step(i, model)
+        opt.step()
+        if after_step is not None:
+            after_step(i, model, opt)
+    return counted, opt, _state(opt, model)
+
+
+UNWEIGHTED = {
+    "adamw": lambda ps: accum_fused.AdamW(ps, lr=1e-2, weight_decay=0.1, accumulation_steps=4),
+    "sgd_momentum_clip": lambda ps: accum_fused.SGD(ps, lr=0.1, momentum=0.9, accumulation_steps=4, max_grad_norm=0.5),
+}
+
+
+@pytest.mark.parametrize("case", list(UNWEIGHTED))
+def test_a_windows_first_gradients_become_its_buffers_and_go_with_the_window(monkeypatch, case):
+    """Weight 1, nothing else holding the gradient: the table takes autograd's fp32 gradient as
+    the buffer (zero-copy, as the native loop's first micro-batch), and the window lets go of
+    it as it ends: between windows only the parameters and the state are held (12 B per fp32
+    AdamW parameter, the native loop's after zero_grad). The table outlives the windows (built
+    once), and training is bit for bit the Python path's, which copies."""
+    builds = _count_builds(monkeypatch)
+    seen = {}
+
+    def before_step(i, model):
+        if i % 4 == 0:
+            seen["grads"] = [p.grad.data_ptr() for p in model.parameters()]
+
+    def after_step(i, model, opt):
+        win = opt._window
+        if i % 4 == 0:
+            assert [win.buffers[p].data_ptr() for p in model.parameters()] == seen["grads"]
+            assert len(win.adopted) == len(list(model.parameters()))
+        if i % 4 == 3:
+            assert not win.buffers and not win.adopted and opt.update_count == i // 4 + 1
+
+    counted, opt, end = _train_unweighted(monkeypatch, UNWEIGHTED[case], False, 13, before_step, after_step)
+    assert len(builds) == 1 and counted.taken == 13 and counted.closed == 3  # (every micro-batch)
+    with monkeypatch.context() as m:
+        _, _, spec_end = _train_unweighted(m, UNWEIGHTED[case], True, 13)
+    _assert_same(end, spec_end)
+
+
+def test_a_gradient_held_elsewhere_is_copied_not_adopted(monkeypatch):
+    """A gradient someone else can still see -- a reference kept to it, a view of its memory, a
+    gradient with a graph (backward(create_graph=True)) -- is copied into a buffer of its own,
+    so that what the window adds later changes no tensor anyone holds; the others are adopted."""
+    model_ref = {}
+    held = {}
+
+    def before_step(i, model):
+        if i == 4:  # the second window's first micro-batch
+            held["reference"] = model.body[0].weight.grad
+            held["view"] = model.side.weight.grad.view(-1)
+            held["values"] = [held["reference"].clone(), held["view"].clone()]
+            model_ref["model"] = model
+
+    def after_step(i, model, opt):
+        if i == 4:
+            win = opt._window
+            assert win.buffers[model.body[0].weight].data_ptr() != held["reference"].data_ptr()
+            assert win.buffers[model.side.weight].data_ptr() != held["view"].data_ptr()
+            assert model.body[0].weight not in win.adopted and model.side.weight not in win.adopted
+            assert model.body[2].weight in win.adopted
+
+    counted, opt, end = _train_unweighted(monkeypatch, UNWEIGHTED["adamw"], False, 9, before_step, after_step)
+    assert counted.taken == 9  # (every micro-batch)
+    assert torch.equal(held["reference"], held["values"][0]) and torch.equal(held["view"], held["values"][1])
+    with monkeypatch.context() as m:
+        _, _, spec_end = _train_unweighted(m, UNWEIGHTED["adamw"], True, 9)
+    _assert_same(end, spec_end)
+
+    # A gradient with a graph: copied (adding into it would change a tensor of the graph).
+    model = Net()
+    opt = UNWEIGHTED["adamw"](model.parameters())
+    ((model(torch.ones(2, 5)) - 1) ** 2).mean().backward(create_graph=True)
+    grads = [p.grad for p in model.parameters()]
+    del grads  # (no reference left: only the graph makes it not adoptable)
+    opt.step()
+    assert not opt._window.adopted and len(opt._window.live) == len(list(model.parameters()))
