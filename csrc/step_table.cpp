@@ -133,7 +133,7 @@ struct StepTable {
     const Tensor& p = params[present[k]];
     return may_adopt && clear && weight == 1.0 && !scaled && g.scalar_type() == at::kFloat &&
            p.scalar_type() == at::kFloat && !g.is_view() && !g.requires_grad() && only_held_here(g) &&
-           g.storage().use_count() == 1 && g.is_contiguous() && p.is_contiguous();
+           memory_held_only_by(g) && g.is_contiguous() && p.is_contiguous();
   }
 
   // Whether the parameter's .grad slot and this table's check hold the gradient's only
@@ -146,6 +146,18 @@ struct StepTable {
     return torch::autograd::impl::is_tensor_stealable(g, /*num_expected_refs=*/2);
 #else
     return g.use_count() <= 2;
+#endif
+  }
+
+  // And no other tensor shares its memory: its storage's one owner is the tensor (a Python
+  // storage object counts as above, where only the storage keeps it: a weakref to it, say).
+  static bool memory_held_only_by(const Tensor& g) {
+    const c10::Storage& storage = g.storage();
+    const size_t owners = storage.use_count();
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+    return owners == 1 || (owners == 2 && storage.unsafeGetStorageImpl()->pyobj_slot()->has_unique_reference());
+#else
+    return owners == 1;
 #endif
   }
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -329,7 +330,6 @@ def test_a_closing_micro_batch_the_plan_refuses_is_not_kept_alive(monkeypatch):
     # side has no gradient in the closing micro-batch: the plan refuses it after the table's
     # check found the others' gradients; the table must let go of them, or one micro-batch's
     # gradients stay alive into the next window.
-    import weakref
 
     counted = Counted(monkeypatch, off=False)
     model = Net()
@@ -428,8 +428,8 @@ def test_a_windows_first_gradients_become_its_buffers_and_go_with_the_window(mon
 
 
 def test_a_gradient_held_elsewhere_is_copied_not_adopted(monkeypatch):
-    """A gradient someone else can still see -- a reference kept to it, a view of its memory, a
-    gradient with a graph (backward(create_graph=True)) -- is copied into a buffer of its own,
+    """A gradient someone else can still see -- a reference kept to it, a view of it, a tensor
+    on its memory, a gradient with a graph (backward(create_graph=True)) -- is copied into a buffer of its own,
     so that what the window adds later changes no tensor anyone holds; the others are adopted."""
     model_ref = {}
     held = {}
@@ -438,7 +438,10 @@ def test_a_gradient_held_elsewhere_is_copied_not_adopted(monkeypatch):
         if i == 4:  # the second window's first micro-batch
             held["reference"] = model.body[0].weight.grad
             held["view"] = model.side.weight.grad.view(-1)
-            held["values"] = [held["reference"].clone(), held["view"].clone()]
+            held["storage"] = torch.empty(0).set_(model.body[2].bias.grad.untyped_storage())  # (its memory, no view)
+            held["values"] = [held["reference"].clone(), held["view"].clone(), held["storage"].clone()]
+            # A weakref to a gradient's storage (a memory tracker's) holds nothing: adopted.
+            held["weak"] = weakref.finalize(model.body[2].weight.grad.untyped_storage(), lambda: None)
             model_ref["model"] = model
 
     def after_step(i, model, opt):
@@ -446,12 +449,14 @@ def test_a_gradient_held_elsewhere_is_copied_not_adopted(monkeypatch):
             win = opt._window
             assert win.buffers[model.body[0].weight].data_ptr() != held["reference"].data_ptr()
             assert win.buffers[model.side.weight].data_ptr() != held["view"].data_ptr()
-            assert model.body[0].weight not in win.adopted and model.side.weight not in win.adopted
-            assert model.body[2].weight in win.adopted
+            assert win.buffers[model.body[2].bias].data_ptr() != held["storage"].data_ptr()
+            assert not {model.body[0].weight, model.side.weight, model.body[2].bias} & win.adopted
+            assert model.body[2].weight in win.adopted and held["weak"].alive
 
     counted, opt, end = _train_unweighted(monkeypatch, UNWEIGHTED["adamw"], False, 9, before_step, after_step)
     assert counted.taken == 9  # (every micro-batch)
-    assert torch.equal(held["reference"], held["values"][0]) and torch.equal(held["view"], held["values"][1])
+    for name, value in zip(("reference", "view", "storage"), held["values"]):
+        assert torch.equal(held[name], value), name
     with monkeypatch.context() as m:
         _, _, spec_end = _train_unweighted(m, UNWEIGHTED["adamw"], True, 9)
     _assert_same(end, spec_end)
