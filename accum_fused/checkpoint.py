@@ -346,7 +346,13 @@ def restore_window(opt, accumulation: dict[str, Any] | None, by_id: dict) -> Non
     win.last_grad_norm = None if norm is None else norm.to(device)
     win.found_inf = None if found is None else found.to(device, copy=True)
     win.changed()  # (the step table does not follow what is loaded here)
+    # Fresh buffers only this window holds: let go of when it ends, as adopted gradients are (a
+    # kept buffer would stay between windows for good, and the next windows copy into it).
+    own = win.sync is None and win.shards is None
     for param_id, saved in accumulation["buffers"].items():
         p = by_id[param_id]
+        fresh = p not in win.buffers
         win.buffer(p).copy_(saved)
         win.live.add(p)
+        if own and fresh:
+            win.adopted.add(p)

@@ -469,3 +469,26 @@ def test_a_gradient_held_elsewhere_is_copied_not_adopted(monkeypatch):
     del grads  # (no reference left: only the graph makes it not adoptable)
     opt.step()
     assert not opt._window.adopted and len(opt._window.live) == len(list(model.parameters()))
+
+
+def test_buffers_loaded_mid_window_go_with_the_window_too():
+    """A window reopened from a mid-window state_dict holds loaded buffers only it uses: they
+    are let go of when it ends, as adopted gradients are (kept, the optimizer would hold 16 B per
+    fp32 AdamW parameter between windows for good, and copy into them), and the next windows
+    adopt again. Training equals the optimizer that was never saved."""
+    models = [Net(), Net()]
+    opts = [UNWEIGHTED["adamw"](m.parameters()) for m in models]
+    batches = _batches(16)
+    for i, (x, y) in enumerate(batches):
+        if i == 6:  # mid-window: the second optimizer is rebuilt from the first's checkpoint
+            opts[1] = UNWEIGHTED["adamw"](models[1].parameters())
+            opts[1].load_state_dict(copy.deepcopy(opts[0].state_dict()))
+            assert len(opts[1]._window.live) == len(list(models[1].parameters()))
+        for model, opt in zip(models, opts):
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            if i % 4 == 3:
+                assert not opt._window.buffers and not opt._window.adopted
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+    assert opts[1]._window.step_table is not None and opts[1].update_count == 4
