@@ -189,24 +189,26 @@ struct StepTable {
   Taken take(double weight, const std::optional<Tensor>& grad_scale, bool clear,
              std::optional<double> norm_weight_sum) {
     TORCH_CHECK(present.size() == grads.size(), "StepTable.take: check() first");
-    // Buffers first: adopted gradients (no accumulate for them: weight 1, overwrite), then fresh
-    // ones for the rest of those without.
+    // Buffers for those without one: adopted gradients (no accumulate for them: weight 1,
+    // overwrite), then fresh ones. The table keeps them only once the kernels ran: an
+    // allocation or a kernel that raises (out of memory) leaves the table as it was, for
+    // Python's path to take the micro-batch (out-of-memory recovery retries it in parts).
     std::vector<int64_t> given, fresh;
     std::vector<Tensor> given_buffers, fresh_buffers;
+    std::vector<Tensor> buffer_at(present.size());  // position k's buffer in this take
     std::vector<char> skip(present.size(), 0);
     for (size_t k = 0; k < present.size(); ++k) {
       const int64_t i = present[k];
-      if (buffers[i].defined()) continue;
-      if (!norm_weight_sum.has_value() && can_adopt(k, weight, grad_scale.has_value(), clear)) {
-        buffers[i] = grads[k];
-        adopted[i] = 1;
+      if (buffers[i].defined()) {
+        buffer_at[k] = buffers[i];
+      } else if (!norm_weight_sum.has_value() && can_adopt(k, weight, grad_scale.has_value(), clear)) {
         skip[k] = 1;
         given.push_back(i);
         given_buffers.push_back(grads[k]);
       } else {
-        buffers[i] = at::empty(params[i].sizes(), params[i].options().dtype(at::kFloat));
+        buffer_at[k] = at::empty(params[i].sizes(), params[i].options().dtype(at::kFloat));
         fresh.push_back(i);
-        fresh_buffers.push_back(buffers[i]);
+        fresh_buffers.push_back(buffer_at[k]);
       }
     }
     const auto adopted_now = static_cast<int64_t>(given.size());
@@ -234,7 +236,7 @@ struct StepTable {
       }
       group->order.push_back(static_cast<int64_t>(k));
       group->grads.push_back(grads[k]);
-      group->buffers.push_back(buffers[i]);
+      group->buffers.push_back(buffer_at[k]);
     }
     std::optional<Tensor> norms;
     {
@@ -250,6 +252,10 @@ struct StepTable {
         if (!norms.has_value()) norms = at::empty({static_cast<int64_t>(present.size())}, group_norms->options());
         norms->index_copy_(0, at::tensor(g.order, at::kLong).to(group_norms->device()), *group_norms);
       }
+    }
+    for (size_t j = 0; j < given.size(); ++j) {
+      buffers[given[j]] = given_buffers[j];
+      adopted[given[j]] = static_cast<int64_t>(j) < adopted_now ? 1 : 0;
     }
     std::vector<int64_t> newly_live = release(clear);
     return {std::move(newly_live), std::move(norms), std::move(given), std::move(given_buffers), adopted_now};
