@@ -548,7 +548,8 @@ class Window:
             _tell_listeners(opt, closed, closed and self.updated)
 
     def discard(self) -> None:
-        """Empty the window (counters of past updates stay; buffers stay allocated, stale)."""
+        """Empty the window (counters of past updates stay). Buffers kept between windows stay
+        allocated, stale; adopted ones (autograd's gradients, fresh loaded ones) are let go of."""
         table = self.step_table
         # (while the table is current, the window's adopted buffers are the ones it gave)
         current = table is not None and table.version == self.version

@@ -134,13 +134,13 @@ def middle_passes():
 
 def windows():
     names = ["native", "plain", "mode_a", "mode_b", "py_drop"]
-    updates_in_pass = ("plain", "mode_b", "py_drop")  # (no step column: the last pass updates, or no update)
+    no_step = ("plain", "mode_b", "py_drop")  # (no step column: the last pass updates, or no update at all)
     contenders = {name: contender(name) for name in names}
     for name in ("native", "mode_a"):  # (let them end the window contender() began)
         contenders[name][1].step()
         contenders[name][1].zero_grad()
     untimed = 3 + (K - 3 % K) % K  # (theirs too: contender() ran 3 passes)
-    for name in updates_in_pass:
+    for name in no_step:
         for _ in range(untimed - 3):
             contenders[name][0]()
     times = {name: [[] for _ in range(K + 1)] for name in names}  # per pass; then step + zero_grad
@@ -149,7 +149,7 @@ def windows():
         for i in range(K + 1):
             for name in order:
                 one_pass, opt = contenders[name]
-                if i == K and name in updates_in_pass:
+                if i == K and name in no_step:
                     continue
                 t = time.perf_counter()
                 if i < K:
@@ -175,7 +175,7 @@ def windows():
                          optimizer_side_ms=side[name], optimizer_side_ratio_vs_native=side[name] / side["native"],
                          times_ms=times[name]))
         print(f"{name:8s}" + "".join(f"{m:9.1f}" for m in medians[:K]) +
-              (f"{medians[K]:9.1f}" if name not in updates_in_pass else "        -") +
+              (f"{medians[K]:9.1f}" if name not in no_step else "        -") +
               f"{window_ms[name]:9.1f}{window_ms[name] / window_ms['native']:9.3f}" +
               ("" if name == "py_drop" else f"{side[name]:15.1f}{side[name] / side['native']:11.3f}"))
     return rows
