@@ -366,6 +366,15 @@ class FastPath:
             self._armed = self._key(win, first, may_adopt) if mb.python_joins == 1 else None
             self._armed_pass = None
 
+    def python_wrote(self, p: Tensor, buffer: Tensor, adopted: bool) -> bool:
+        """Python wrote ``p``'s gradient of this pass into ``buffer`` itself (take_written: a
+        fused Linear's GEMM): the extension's hooks take no other gradient of ``p`` in this pass
+        (one through autograd, a penalty on the weight, goes to take_grad as the pass's second:
+        armed to adopt or fold, they would lose the GEMM's), and their lists advance as if they
+        had taken it. True when they stay true to the window."""
+        slot = self.slot_of.get(p)
+        return slot is not None and self.state.python_wrote(slot, buffer, adopted)
+
     def _params_of_adopted(self, slots: list[int]) -> tuple[list[Tensor], set[Tensor]]:
         """The parameters of ``slots`` and their set, kept while the slots are the same (every
         window's first pass adopts the same ones): a set updated from a set reuses the hashes it
@@ -855,6 +864,9 @@ def _add(opt, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
     norm_weight_sum = mb.weight_sum if wants_norm else None
     if written:
         norm = win.write_one(p, grad, mb.weight, opt._backend_for(p), norm_weight_sum)
+        fast = opt._fast_path
+        if fast is not None and fast.python_wrote(p, win.buffers[p], adopted=p in win.adopted):
+            mb.python_joins -= 1  # (the extension's lists know of it: they stay true for the next pass)
     else:
         norm = win.accumulate_one(p, grad, mb.weight, opt._backend_for(p), norm_weight_sum)
     mb.completed.add(p)

@@ -417,8 +417,14 @@ class Window:
         """accum_fused.nn's fused Linear: ``writer`` puts weight x this micro-batch's gradient of
         ``p`` straight into its buffer (overwriting a stale one). With ``norm_weight_sum``,
         returns ||acc / norm_weight_sum|| (``backend``'s norm pass over the buffer)."""
-        buf = self.buffer(p)
         overwrite = p not in self.live
+        buf = self.buffers.get(p)
+        if buf is None and self.sync is None:
+            # (let go of when the window closes, below: no buffer kept between windows changed)
+            buf = self.buffers[p] = torch.empty_like(p, dtype=state_dtype(p), memory_format=torch.preserve_format)
+            self.changed(kept=False)
+        elif buf is None:
+            buf = self.buffer(p)
         writer.write(buf, weight, overwrite=overwrite)
         if overwrite and self.sync is None:
             self.adopted.add(p)  # let go when the window closes, as an adopted gradient is

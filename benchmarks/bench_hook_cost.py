@@ -36,9 +36,29 @@ model's optimizer side, pass by pass, without the forward and backward whose noi
 the whole model (a pass of the 21M GPT varies by tens of ms; its optimizer side is tens of ms).
 
     python benchmarks/bench_hook_cost.py --shapes-of gpt --window 8 --clip 1.0 --repeats 15
+
+``--linear-tokens T`` (with ``--shapes-of``) builds that model itself and gives each of its
+nn.Linear layers a real forward and backward on a fixed T-token input (the loss is
+``sum(linear(x) * c)``; the other tensors keep the cheap backward): each Linear weight's gradient
+is then written by a GEMM, as in the whole model, and ``mode_b_fused`` (mode_b with
+``accum_fused.nn.fuse_linear_gradients``: the GEMM adds into the window buffer, beta=1) joins
+the contenders. A small T keeps the GEMMs' cost, and so their noise, small next to the bytes
+the optimizer side moves; the bytes per Linear weight element each contender's pass moves
+beyond the floor's are printed with the times.
+
+    python benchmarks/bench_hook_cost.py --shapes-of gpt --linear-tokens 8 --window 8 --clip 1.0 --repeats 21
+
+The contenders share one process, and so glibc's allocator: a contender that holds many fresh
+gradients at once (plain mode, until its step) can find their memory handed back to the system
+by another's frees and fault it in again (ru_minflt: ~12k faults per plain pass against ~4k in
+a loop of its own). ``--interleave window`` lessens that; ``MALLOC_TRIM_THRESHOLD_=4294967296
+MALLOC_MMAP_THRESHOLD_=4294967296`` in the environment takes it away (no memory goes back, no
+page faults after the first window: the times then are what each loop moves, not what the
+allocator does to it). The JSON records the MALLOC_ variables.
 """
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -46,6 +66,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 import accum_fused
 from _cheap_loss import cheap_loss
@@ -62,25 +83,55 @@ parser.add_argument("--clip", type=float, default=None,
                     help="max_grad_norm (native: clip_grad_norm_ in a step pre-hook, so inside its step)")
 parser.add_argument("--shapes-of", choices=tuple(MODELS), default=None,
                     help="the trainable tensors of this bench_transformer.py model instead of N x D")
+parser.add_argument("--linear-tokens", type=int, default=0, metavar="T",
+                    help="with --shapes-of: the model's Linear layers run a real forward and backward on T tokens "
+                         "(their weight gradients come from a GEMM), and mode_b_fused joins")
+parser.add_argument("--interleave", choices=("pass", "window"), default="pass",
+                    help="with --window: contenders alternate pass by pass, or window by window (each then "
+                         "allocates and frees in a run of its own passes, as in a loop of its own)")
 parser.add_argument("--json", default=None)
 args = parser.parse_args()
+if args.linear_tokens and not args.shapes_of:
+    parser.error("--linear-tokens needs --shapes-of (the model whose Linear layers run)")
 torch.set_num_threads(args.threads)
 if args.shapes_of:
     import bench_transformer
-    model = bench_transformer.build_model(bench_transformer.parse_args(MODELS[args.shapes_of]))
-    SHAPES = [p.shape for p in model.parameters() if p.requires_grad]
-    del model
+
+    def build_model():
+        return bench_transformer.build_model(bench_transformer.parse_args(MODELS[args.shapes_of]))
+    SHAPES = [p.shape for p in build_model().parameters() if p.requires_grad]
 else:
     SHAPES = [(args.numel_per_tensor,)] * args.tensors
 N, D = len(SHAPES), args.numel_per_tensor
 K = args.window or 1000  # (without --window, mode B's window never closes here)
+FUSED = ["mode_b_fused"] if args.linear_tokens else []
+
+
+def linear_loss(model):
+    """The model's trainable tensors and ``loss(*params)``: each trainable nn.Linear runs on its
+    own fixed T-token input (its weight gradient: a GEMM), every other tensor takes the cheap
+    backward."""
+    torch.manual_seed(1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    linears = [m for m in model.modules() if type(m) is nn.Linear and m.weight.requires_grad]
+    inputs = [torch.randn(args.linear_tokens, m.in_features) for m in linears]
+    coefs = [torch.empty(args.linear_tokens, m.out_features).uniform_(-1e-3, 1e-3) for m in linears]
+    in_linears = {id(p) for m in linears for p in m.parameters()}
+    others = [p for p in params if id(p) not in in_linears]
+    cheap = cheap_loss([torch.empty(p.shape).uniform_(-1e-3, 1e-3) for p in others])
+
+    def loss_of(*_):
+        return sum(((m(x) * c).sum() for m, x, c in zip(linears, inputs, coefs)), cheap(*others))
+    return params, loss_of
 
 
 def contender(name):
-    params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
-    cs = [torch.empty(shape).uniform_(-1e-3, 1e-3) for shape in SHAPES]
-
-    loss_of = cheap_loss(cs)
+    if args.linear_tokens:
+        model = build_model()
+        params, loss_of = linear_loss(model)
+    else:
+        params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+        loss_of = cheap_loss([torch.empty(shape).uniform_(-1e-3, 1e-3) for shape in SHAPES])
 
     opt = None
     if name == "py_drop":
@@ -88,14 +139,17 @@ def contender(name):
             p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     elif name == "mode_a":
         opt = accum_fused.AdamW(params, lr=1e-3, in_backward=True, max_grad_norm=args.clip)
-    elif name == "mode_b":
+    elif name in ("mode_b", "mode_b_fused"):
         opt = accum_fused.AdamW(params, lr=1e-3, in_backward=True, accumulation_steps=K, max_grad_norm=args.clip)
+        if name == "mode_b_fused":
+            from accum_fused.nn import fuse_linear_gradients
+            fuse_linear_gradients(model, opt)
     elif name == "plain":
         opt = accum_fused.AdamW(params, lr=1e-3, accumulation_steps=K, max_grad_norm=args.clip)
 
     def one_pass():
         loss = loss_of(*params)
-        if name == "mode_b":
+        if name in ("mode_b", "mode_b_fused"):
             opt.backward(loss)
         else:
             loss.backward()
@@ -113,7 +167,7 @@ def contender(name):
 
 
 def middle_passes():
-    names = ["native", "py_drop", "mode_a", "mode_b"]
+    names = ["native", "py_drop", "mode_a", "mode_b"] + FUSED
     passes = {name: contender(name)[0] for name in names}
     times = {name: [] for name in names}
     for r in range(args.repeats):
@@ -133,32 +187,35 @@ def middle_passes():
 
 
 def windows():
-    names = ["native", "plain", "mode_a", "mode_b", "py_drop"]
-    no_step = ("plain", "mode_b", "py_drop")  # (no step column: the last pass updates, or no update at all)
+    names = ["native", "plain", "mode_a", "mode_b"] + FUSED + ["py_drop"]
+    no_step = ("plain", "mode_b", "mode_b_fused", "py_drop")  # (no step column: the last pass updates, or no update at all)
     contenders = {name: contender(name) for name in names}
     for name in ("native", "mode_a"):  # (let them end the window contender() began)
         contenders[name][1].step()
         contenders[name][1].zero_grad()
     untimed = 3 + (K - 3 % K) % K  # (theirs too: contender() ran 3 passes)
-    for name in no_step:
+    for name in (n for n in names if n in no_step):
         for _ in range(untimed - 3):
             contenders[name][0]()
     times = {name: [[] for _ in range(K + 1)] for name in names}  # per pass; then step + zero_grad
     for r in range(args.repeats):
         order = names[r % len(names):] + names[:r % len(names)]
-        for i in range(K + 1):
-            for name in order:
-                one_pass, opt = contenders[name]
-                if i == K and name in no_step:
-                    continue
-                t = time.perf_counter()
-                if i < K:
-                    one_pass()
-                else:  # (the window's step, native and mode A)
-                    opt.step()
-                    opt.zero_grad()
-                times[name][i].append((time.perf_counter() - t) * 1e3)
-    for name in ("plain", "mode_b"):
+        # (pass by pass: contender x's pass i beside the others' pass i; window by window: x's
+        # whole window, then the next contender's)
+        steps = ([(i, name) for i in range(K + 1) for name in order] if args.interleave == "pass"
+                 else [(i, name) for name in order for i in range(K + 1)])
+        for i, name in steps:
+            one_pass, opt = contenders[name]
+            if i == K and name in no_step:
+                continue
+            t = time.perf_counter()
+            if i < K:
+                one_pass()
+            else:  # (the window's step, native and mode A)
+                opt.step()
+                opt.zero_grad()
+            times[name][i].append((time.perf_counter() - t) * 1e3)
+    for name in ("plain", "mode_b", *FUSED):
         assert contenders[name][1].update_count == untimed // K + args.repeats, \
             f"{name}'s windows did not close where timed"
     # The window's optimizer side: its sum of per-pass medians less the floor's (py_drop: the
@@ -166,7 +223,7 @@ def windows():
     window_ms = {name: sum(statistics.median(ts) if ts else 0.0 for ts in times[name]) for name in names}
     side = {name: window_ms[name] - window_ms["py_drop"] for name in names}
     rows = []
-    print(" " * 8 + "".join(f"{'pass ' + str(i + 1):>9s}" for i in range(K)) +
+    print(" " * 12 + "".join(f"{'pass ' + str(i + 1):>9s}" for i in range(K)) +
           "     step   window  / native  optimizer side  / native's")
     for name in names:
         medians = [statistics.median(ts) if ts else 0.0 for ts in times[name]]
@@ -174,10 +231,14 @@ def windows():
                          window_ms=window_ms[name], ratio_vs_native=window_ms[name] / window_ms["native"],
                          optimizer_side_ms=side[name], optimizer_side_ratio_vs_native=side[name] / side["native"],
                          times_ms=times[name]))
-        print(f"{name:8s}" + "".join(f"{m:9.1f}" for m in medians[:K]) +
+        print(f"{name:12s}" + "".join(f"{m:9.1f}" for m in medians[:K]) +
               (f"{medians[K]:9.1f}" if name not in no_step else "        -") +
               f"{window_ms[name]:9.1f}{window_ms[name] / window_ms['native']:9.3f}" +
               ("" if name == "py_drop" else f"{side[name]:15.1f}{side[name] / side['native']:11.3f}"))
+    if FUSED:
+        print("bytes per Linear weight element a middle pass moves beyond the floor's (whose GEMM writes a fresh\n"
+              "gradient, 4 B, then drops it): native 12 (.grad += g: two reads, a write), plain/mode_a/mode_b 12\n"
+              "(buffer += g), mode_b_fused 4 (the GEMM reads the buffer it adds into, beta=1; no fresh gradient)")
     return rows
 
 
@@ -189,7 +250,9 @@ if args.json:
         benchmark="bench_hook_cost", date=time.strftime("%Y-%m-%dT%H:%M:%S"),
         config=dict(tensors=N, numel_per_tensor=None if args.shapes_of else D, shapes_of=args.shapes_of,
                     numel=sum(torch.Size(shape).numel() for shape in SHAPES), repeats=args.repeats, threads=args.threads,
-                    window=args.window or None, clip=args.clip),
+                    window=args.window or None, clip=args.clip, linear_tokens=args.linear_tokens or None,
+                    interleave=args.interleave if args.window else None,
+                    malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}),
         versions=dict(accum_fused_path=str(Path(accum_fused.__file__).parent), git_commit=commit,
                       torch=torch.__version__, python=platform.python_version()),
         results=rows), indent=1))

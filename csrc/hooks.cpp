@@ -27,6 +27,12 @@
 //                window_start), less the buffers adopted since (the window lets go of them), for
 //                `rearm_start`; adopted gradients are let go of
 //     rearm_start(...) -> bool  rearm with those, once per new_window
+//     python_wrote(slot, buffer, adopted) -> bool  in_backward.py wrote the slot's gradient of this
+//                pass into `buffer` itself (accum_fused.nn's fused Linear: the GEMM's output): the
+//                slot takes nothing more in this pass (another gradient of it, through autograd,
+//                goes to Python, which knows it is the pass's second), and the lists advance as
+//                if it had taken this one; true when the slot was in the advancing lists (they
+//                stay true to the window)
 //     drain() -> (slots of plain additions; slots of additions that measured a norm, and the
 //                norms; slots that adopted their gradient, and those gradients; slots that
 //                folded; slots that overwrote their stale buffer, and the norms measured there)
@@ -307,6 +313,21 @@ struct HookState {
     armed.clear();
     armed_task = -1;
     advancing = false;
+  }
+
+  bool python_wrote(int64_t slot_id, const Tensor& buffer, bool adopted) {
+    const Lock lock(mu);
+    TORCH_CHECK(slot_id >= 0 && slot_id < static_cast<int64_t>(slots.size()), "python_wrote: no slot ", slot_id);
+    Slot& s = slots[slot_id];
+    if (armed_task < 0 || s.mode == kNone) return false;
+    // (armed to adopt, overwrite, add or fold a gradient that Python has taken instead: a later
+    // one through autograd would replace or fold without the GEMM's)
+    s.mode = kNone;
+    if (!advancing) return false;
+    s.next_mode = kAdd;
+    s.next_buffer = buffer;
+    s.adopted_in_window |= adopted;
+    return true;
   }
 
   py::tuple drain() {
@@ -652,6 +673,7 @@ void register_hooks(py::module& m) {
       .def("forget", &HookState::forget)
       .def("new_window", &HookState::new_window)
       .def("rearm_start", &HookState::rearm_start, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"))
+      .def("python_wrote", &HookState::python_wrote, py::arg("slot"), py::arg("buffer"), py::arg("adopted"))
       .def("drain", &HookState::drain)
       .def("take_dropped", &HookState::take_dropped)
       .def_property_readonly("armed",
