@@ -366,6 +366,13 @@ class FastPath:
             self._armed = self._key(win, first, may_adopt) if mb.python_joins == 1 else None
             self._armed_pass = None
 
+    def write_linear(self, p: Tensor, grad_out: Tensor, inp: Tensor | None) -> bool:
+        """``p``'s gradient of this pass (accum_fused.nn's fused Linear: grad_out^T @ inp, or
+        grad_out summed over the rows for a bias) computed by the extension straight into its
+        buffer, as armed (HookState.write_linear); False where take_written is to do it."""
+        slot = self.slot_of.get(p)
+        return slot is not None and self.state.write_linear(slot, p, grad_out, inp)
+
     def python_wrote(self, p: Tensor, buffer: Tensor, adopted: bool) -> bool:
         """Python wrote ``p``'s gradient of this pass into ``buffer`` itself (take_written: a
         fused Linear's GEMM): the extension's hooks take no other gradient of ``p`` in this pass

@@ -436,6 +436,8 @@ std::optional<Tensor> accumulate_op(const TensorList& grads, const TensorList& b
   return accumulate(grads, buffers, weight, overwrite, grad_scale, norm_weight_sum);
 }
 
+Tensor window_norms_op(const TensorList& buffers, double weight_sum) { return window_norms(buffers, weight_sum); }
+
 void sgd_update_op(const TensorList& params, const TensorList& buffers, const TensorList& momentum_buffers,
                    const std::vector<bool>& first_momentum, double weight_sum, const std::optional<Tensor>& clip_coef,
                    double neg_lr, double momentum, double one_minus_dampening, double weight_decay, bool nesterov,

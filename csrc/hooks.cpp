@@ -33,6 +33,14 @@
 //                goes to Python, which knows it is the pass's second), and the lists advance as
 //                if it had taken this one; true when the slot was in the advancing lists (they
 //                stay true to the window)
+//     write_linear(slot, param, grad_out, input) -> bool  a fused Linear's gradient of `param`
+//                (accum_fused/nn/linear.py), computed straight into the slot's buffer by what
+//                it was armed for: the GEMM grad_out^T @ input (input None: the bias, grad_out
+//                summed over the rows) adds into the live buffer (ADD, with the norm on a clipped
+//                window's last micro-batch), or overwrites the stale buffer or a fresh one at
+//                the window's first micro-batch (ADOPT / OVERWRITE; recorded as adopted: the
+//                window lets go of it as it ends, as Window.write_one's); false, with nothing
+//                changed, where Python's take_written is to do it
 //     drain() -> (slots of plain additions; slots of additions that measured a norm, and the
 //                norms; slots that adopted their gradient, and those gradients; slots that
 //                folded; slots that overwrote their stale buffer, and the norms measured there)
@@ -313,6 +321,74 @@ struct HookState {
     armed.clear();
     armed_task = -1;
     advancing = false;
+  }
+
+  bool write_linear(int64_t slot_id, const Tensor& param, const Tensor& grad_out, const std::optional<Tensor>& input) {
+    const Lock lock(mu);
+    if (armed_task < 0 || slot_id < 0 || slot_id >= static_cast<int64_t>(slots.size())) return false;
+    Slot& s = slots[slot_id];
+    if ((s.mode != kAdd && s.mode != kOverwrite && s.mode != kAdopt) || s.seen_task == armed_task) return false;
+    if (torch::autograd::get_current_graph_task_id() != armed_task) return false;
+    const bool starts = s.mode != kAdd;  // (the window's first gradient of it: no sum yet)
+    if (starts && norm_weight_sum.has_value()) return false;  // (no norm record for a start: Python's)
+    // fp32 throughout (Python's path widens other operands and runs autocast's dtype)
+    const auto fits = [&](const Tensor& t) {
+      return t.layout() == at::kStrided && t.scalar_type() == at::kFloat && t.device() == param.device() &&
+             plain_memory(t);
+    };
+    if (!fits(param) || !param.is_contiguous() || !fits(grad_out) || grad_out.dim() != 2 ||
+        grad_out.size(1) != param.size(0)) {
+      return false;
+    }
+    if (input.has_value()) {
+      const Tensor& x = *input;
+      if (!fits(x) || x.dim() != 2 || param.dim() != 2 || x.size(0) != grad_out.size(0) || x.size(1) != param.size(1)) {
+        return false;
+      }
+    } else if (param.dim() != 1) {
+      return false;
+    }
+    Tensor buf = s.buffer;
+    if (buf.defined()) {
+      if (!fits(buf) || buf.sizes() != param.sizes() || !buf.is_contiguous()) return false;
+    } else if (s.mode == kAdopt) {
+      buf = at::empty(param.sizes(), param.options().dtype(at::kFloat));
+    } else {
+      return false;
+    }
+    std::optional<Tensor> norm;
+    {
+      // (the same ops as linear.py's _gemm_into and _BiasGradient.write: the same sums)
+      at::NoGradGuard no_grad;
+      if (input.has_value()) {
+        buf.addmm_(grad_out.t(), *input, /*beta=*/starts ? 0.0 : 1.0, /*alpha=*/weight);
+      } else {
+        const Tensor total = grad_out.sum(0, /*keepdim=*/false, at::kFloat);
+        if (starts) {
+          at::mul_out(buf, total, at::Scalar(weight));
+        } else {
+          buf.add_(total, weight);
+        }
+      }
+      if (norm_weight_sum.has_value()) norm = window_norms_op({buf}, *norm_weight_sum).select(0, 0);
+    }
+    s.seen_task = armed_task;
+    if (advancing) {
+      s.next_mode = kAdd;
+      s.next_buffer = buf;
+    }
+    s.adopted_in_window |= starts;
+    ++taken;
+    if (starts) {
+      taken_now.adopted.push_back(slot_id);
+      taken_now.grads.push_back(buf);
+    } else if (norm.has_value()) {
+      taken_now.normed.push_back(slot_id);
+      taken_now.norms.push_back(std::move(*norm));
+    } else {
+      taken_now.added.push_back(slot_id);
+    }
+    return true;
   }
 
   bool python_wrote(int64_t slot_id, const Tensor& buffer, bool adopted) {
@@ -673,6 +749,8 @@ void register_hooks(py::module& m) {
       .def("forget", &HookState::forget)
       .def("new_window", &HookState::new_window)
       .def("rearm_start", &HookState::rearm_start, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"))
+      .def("write_linear", &HookState::write_linear, py::arg("slot"), py::arg("param"), py::arg("grad_out"),
+           py::arg("input"))
       .def("python_wrote", &HookState::python_wrote, py::arg("slot"), py::arg("buffer"), py::arg("adopted"))
       .def("drain", &HookState::drain)
       .def("take_dropped", &HookState::take_dropped)

@@ -22,6 +22,9 @@ std::optional<at::Tensor> accumulate_op(const std::vector<at::Tensor>& grads, co
 std::optional<float> accumulate_one_cpu(const at::Tensor& grad, const at::Tensor& buffer, double weight, bool overwrite,
                                         std::optional<double> norm_weight_sum);
 
+// ||buffers[i] / weight_sum|| per tensor (bindings.cpp's window_norms).
+at::Tensor window_norms_op(const std::vector<at::Tensor>& buffers, double weight_sum);
+
 // The update ops (bindings.cpp's sgd_update / adam_update, whose arguments
 // accum_fused/backends/cpp_backend.py computes).
 void sgd_update_op(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& buffers,

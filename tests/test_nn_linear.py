@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 import accum_fused
 from accum_fused import in_backward
-from accum_fused.nn import fuse_linear_gradients
+from accum_fused.nn import fuse_linear_gradients, linear
 
 from _helpers import RaisingBackward
 
@@ -91,16 +91,27 @@ def test_fused_matches_the_unfused_path(backend, mode, clip):  # (backend: every
 
 
 def test_the_weight_and_bias_gradients_go_through_the_gemm(monkeypatch):
-    calls = []
-    take_written = in_backward.take_written
+    calls, in_python = [], []
+    take, take_written = linear._Fused.take, in_backward.take_written
 
-    def counted(opt, p, writer):
-        calls.append(tuple(p.shape))
+    def counted(self, param, saved, gradient):
+        calls.append(tuple(param.shape))
+        return take(self, param, saved, gradient)
+
+    def counted_in_python(opt, p, writer):
+        in_python.append(tuple(p.shape))
         return take_written(opt, p, writer)
-    monkeypatch.setattr(in_backward, "take_written", counted)
+    monkeypatch.setattr(linear._Fused, "take", counted)
+    monkeypatch.setattr(in_backward, "take_written", counted_in_python)
     _train(True, windows=1)
-    # three fused weights and two biases (`out` has none) per backward pass
+    # three fused weights and two biases (`out` has none) per backward pass, none of them
+    # handed to autograd (_train asserts that no .grad appears)
     assert sorted(calls) == sorted([(16, 7), (16,), (16, 16), (16,), (5, 16)] * K)
+    # With the extension its hooks write all but each pass's first (the last layer's weight,
+    # whose gradient arms them), the window's first pass too (weight 1: they start the buffers),
+    # and but the window's last pass, whose updates (mode B, no clipping) the hooks fold in.
+    if "cpp" in accum_fused.available_backends():
+        assert sorted(in_python) == sorted([(5, 16)] * K + [(16, 7), (16,), (16, 16), (16,)]), in_python
     # Mid-window, the buffers hold the weighted sums the unfused path holds.
     fused = _train(True, stop_before=K - 1, windows=1)
     plain = _train(False, stop_before=K - 1, windows=1)
@@ -358,3 +369,26 @@ def test_fused_writes_keep_the_hooks_lists(clip):
         opt.close()
     _close(*results, rtol=1e-5)
     assert builds[0] <= builds[1] + 1 and builds[0] <= 3, builds
+
+
+@pytest.mark.skipif("cpp" not in accum_fused.available_backends(), reason="needs the extension's hooks")
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
+@pytest.mark.parametrize("mode", ["A", "B"])
+def test_the_extensions_writes_are_take_writtens(monkeypatch, mode, clip):
+    """HookState.write_linear against Python's take_written (the spec, the extension's hooks
+    switched off): the same buffers mid-window and the same parameters after three windows,
+    bit for bit (the same GEMM, sum and norm ops), with weights."""
+    runs = []
+    for spec in (False, True):
+        monkeypatch.undo()
+        if spec:
+            monkeypatch.setattr(in_backward.FastPath, "for_optimizer", staticmethod(lambda opt: None))
+        mid = _train(True, backend="cpp", mode=mode, clip=clip, stop_before=K + 2)
+        runs.append((_train(True, backend="cpp", mode=mode, clip=clip), mid))
+    (fast, fast_mid), (python, python_mid) = runs
+    assert fast["updates"] == python["updates"] == 3
+    for a, b in zip(fast["params"], python["params"]):
+        assert torch.equal(a, b)
+    assert fast_mid["buffers"].keys() == python_mid["buffers"].keys()
+    for name, buf in python_mid["buffers"].items():
+        assert torch.equal(fast_mid["buffers"][name], buf), name

@@ -56,6 +56,11 @@ class _WeightGradient:
             g, x = g.to(self.autocast_dtype), x.to(self.autocast_dtype)
         _gemm_into(buffer, g.t(), x, beta=0.0 if overwrite else 1.0, alpha=weight, native_out_dtype=buffer.is_cuda)
 
+    def write_in_extension(self, fast, param: Tensor) -> bool:
+        """Written by the extension's hooks where they were armed for ``param`` (in_backward.FastPath.
+        write_linear: no Python per gradient), with fp32 operands outside autocast."""
+        return self.autocast_dtype is None and fast.write_linear(param, self.grad_out, self.inp)
+
     def tensor(self) -> Tensor:
         """What nn.Linear's backward would give autograd (in the autocast dtype under autocast)."""
         dtype = self.autocast_dtype or self.grad_out.dtype
@@ -75,6 +80,9 @@ class _BiasGradient:
             torch.mul(total, weight, out=buffer)
         else:
             buffer.add_(total, alpha=weight)
+
+    def write_in_extension(self, fast, param: Tensor) -> bool:
+        return fast.write_linear(param, self.grad_out, None)
 
     def tensor(self) -> Tensor:
         return self.grad_out.sum(0)
@@ -127,6 +135,10 @@ class _Fused:
         # A collected or closed optimizer takes nothing: the gradient lands in .grad, as after
         # close() without fused layers.
         live = opt is not None and not opt._closed
+        # (the pass's later gradients, where the extension's hooks are armed; else, and for the
+        # pass's first, Python's take_written, the spec)
+        if live and same and opt._fast_path is not None and gradient.write_in_extension(opt._fast_path, param):
+            return None
         with torch.no_grad():
             taken = live and same and in_backward.take_written(opt, param, gradient)
         return None if taken else gradient.tensor()
