@@ -9,7 +9,9 @@ fp32 output (``torch.addmm(out_dtype=)``). The bias gradient (grad_out summed ov
 summed in fp32 into its buffer the same way. The gradient then takes the same path through the backward
 pass as a hook's (in_backward.take_written): the same micro-batch, weight, clipping norms,
 failure handling and, on mode B's last micro-batch without clipping, the parameter's update
-right after its GEMM.
+at the end of the pass. Where the extension's hooks are armed for the parameter (a pass's
+gradients after its first) and the operands are fp32, they write it (HookState.write_linear, the
+same ops) with no Python per gradient; take_written is the spec they are tested against.
 
 Must not: change the buffers other than through the window (``Window.write_one`` calls the
 writer), or change a layer's forward result: input gradients go through autograd as before, and
