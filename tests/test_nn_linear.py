@@ -312,6 +312,34 @@ def test_the_cuda_gemm_takes_low_precision_operands_with_an_fp32_output(dtype):
         torch.testing.assert_close(buffer.cpu().double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def _fused_against_unfused(mode, clip, loss_of, windows=3):
+    """The same training with fuse_linear_gradients and without (mode A: a step every K passes):
+    each run's parameters and how often the extension's hook lists were built (None without it)."""
+    runs = []
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        model = Net()
+        opt = accum_fused.AdamW(model.parameters(), lr=1e-2, accumulation_steps=K if mode == "B" else 1,
+                                in_backward=True, max_grad_norm=clip)
+        if fuse:
+            fuse_linear_gradients(model, opt)
+        gen = torch.Generator().manual_seed(1)
+        for i in range(windows * K):
+            loss = loss_of(model, torch.randn(3, 7, generator=gen))
+            if mode == "B":
+                opt.backward(loss)
+            else:
+                loss.backward()
+                if (i + 1) % K == 0:
+                    opt.step()
+                    opt.zero_grad()
+        assert opt.update_count == windows
+        runs.append(([p.detach().clone() for p in model.parameters()],
+                     None if opt._fast_path is None else opt._fast_path.built))
+        opt.close()
+    return runs
+
+
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
 @pytest.mark.parametrize("mode", ["A", "B"])
 def test_a_fused_weight_with_another_gradient_through_autograd(mode, clip):
@@ -320,55 +348,23 @@ def test_a_fused_weight_with_another_gradient_through_autograd(mode, clip):
     every edge into it), in every pass of the window (its first too, where the extension's
     hooks would otherwise adopt it over the GEMM's sum). The window holds both, as the unfused
     path's does."""
-    results = []
-    for fuse in (True, False):
-        torch.manual_seed(0)
-        model = Net()
-        k = K if mode == "B" else 1
-        opt = accum_fused.AdamW(model.parameters(), lr=1e-2, accumulation_steps=k, in_backward=True,
-                                max_grad_norm=clip)
-        if fuse:
-            fuse_linear_gradients(model, opt)
-        gen = torch.Generator().manual_seed(1)
-        for i in range(3 * K):
-            x = torch.randn(3, 7, generator=gen)
-            loss = model(x).square().mean() + 1e-2 * model.mid.weight.square().sum() + model.out.weight.sum()
-            if mode == "B":
-                opt.backward(loss)
-            else:
-                loss.backward()
-                if (i + 1) % K == 0:
-                    opt.step()
-                    opt.zero_grad()
-        assert opt.update_count == 3
-        results.append([p.detach().clone() for p in model.parameters()])
-        opt.close()
-    _close(*results, rtol=1e-5)
+    def loss_of(model, x):
+        return model(x).square().mean() + 1e-2 * model.mid.weight.square().sum() + model.out.weight.sum()
+    (fused, _), (unfused, _) = _fused_against_unfused(mode, clip, loss_of)
+    _close(fused, unfused, rtol=1e-5)
 
 
 @pytest.mark.skipif("cpp" not in accum_fused.available_backends(), reason="needs the extension's hooks")
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
 def test_fused_writes_keep_the_hooks_lists(clip):
-    """The fused layers' writes are told to the extension's hooks (HookState.python_wrote), so a
-    pass of a fused model rearms their lists instead of a Python loop over the parameters,
-    window after window (before: every pass rebuilt them), and the result is the unfused path's."""
-    results, builds = [], []
-    for fuse in (True, False):
-        torch.manual_seed(0)
-        model = Net()
-        opt = accum_fused.AdamW(model.parameters(), lr=1e-2, accumulation_steps=K, in_backward=True,
-                                max_grad_norm=clip)
-        if fuse:
-            fuse_linear_gradients(model, opt)
-        gen = torch.Generator().manual_seed(1)
-        for i in range(5 * K):
-            opt.backward(model(torch.randn(3, 7, generator=gen)).square().mean())
-        assert opt.update_count == 5
-        builds.append(opt._fast_path.built)
-        results.append([p.detach().clone() for p in model.parameters()])
-        opt.close()
-    _close(*results, rtol=1e-5)
-    assert builds[0] <= builds[1] + 1 and builds[0] <= 3, builds
+    """The fused layers' gradients are written by the extension's hooks (or, Python's, told to
+    them: HookState.python_wrote), so a pass of a fused model rearms their lists instead of a
+    Python loop over the parameters, window after window (before: every pass rebuilt them), and
+    the result is the unfused path's."""
+    (fused, fused_builds), (unfused, unfused_builds) = _fused_against_unfused(
+        "B", clip, lambda model, x: model(x).square().mean(), windows=5)
+    _close(fused, unfused, rtol=1e-5)
+    assert fused_builds <= unfused_builds + 1 and fused_builds <= 3, (fused_builds, unfused_builds)
 
 
 @pytest.mark.skipif("cpp" not in accum_fused.available_backends(), reason="needs the extension's hooks")
