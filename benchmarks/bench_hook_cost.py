@@ -50,8 +50,8 @@ beyond the floor's are printed with the times.
 
 The contenders share one process, and so glibc's allocator: a contender that holds many fresh
 gradients at once (plain mode, until its step) can find their memory handed back to the system
-by another's frees and fault it in again (ru_minflt: ~12k faults per plain pass against ~4k in
-a loop of its own). ``--interleave window`` lessens that; ``MALLOC_TRIM_THRESHOLD_=4294967296
+by another's frees and fault it in again (ru_minflt: ~12k faults per plain pass with four
+contenders alternating pass by pass, ~4k, as native's, alternating window by window). ``--interleave window`` lessens that; ``MALLOC_TRIM_THRESHOLD_=4294967296
 MALLOC_MMAP_THRESHOLD_=4294967296`` in the environment takes it away (no memory goes back, no
 page faults after the first window: the times then are what each loop moves, not what the
 allocator does to it). The JSON records the MALLOC_ variables.
