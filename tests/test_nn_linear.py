@@ -388,3 +388,40 @@ def test_the_extensions_writes_are_take_writtens(monkeypatch, mode, clip):
     assert fast_mid["buffers"].keys() == python_mid["buffers"].keys()
     for name, buf in python_mid["buffers"].items():
         assert torch.equal(fast_mid["buffers"][name], buf), name
+
+
+@pytest.mark.skipif("cpp" not in accum_fused.available_backends(), reason="needs the extension's hooks")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_extensions_writes_on_each_device(monkeypatch, device):
+    """HookState.write_linear on the device's own autograd thread (CUDA: the device thread, its
+    GEMM on the current stream) against take_written, bit for bit, in mode B with clipping and
+    weights; and the extension wrote most of the gradients."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    runs, written = [], []
+    write_linear = in_backward.FastPath.write_linear
+
+    def counted(fast, p, grad_out, inp):
+        done = write_linear(fast, p, grad_out, inp)
+        written.append(done)
+        return done
+    for spec in (False, True):
+        monkeypatch.undo()
+        monkeypatch.setattr(in_backward.FastPath, "write_linear", counted)
+        if spec:
+            monkeypatch.setattr(in_backward.FastPath, "for_optimizer", staticmethod(lambda opt: None))
+        torch.manual_seed(0)
+        model = Net().to(device)
+        opt = accum_fused.AdamW(model.parameters(), lr=1e-2, accumulation_steps=K, in_backward=True, backend="cpp",
+                                max_grad_norm=1.0)
+        fuse_linear_gradients(model, opt)
+        gen = torch.Generator().manual_seed(1)
+        for i in range(3 * K):
+            opt.backward(model(torch.randn(3, 7, generator=gen).to(device)).square().mean(), weight=float(1 + i % 2))
+        assert opt.update_count == 3
+        runs.append([p.detach().cpu() for p in model.parameters()])
+        opt.close()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    # (the first run's: the second had no hooks to ask) each pass's four gradients after its first
+    assert written.count(True) == 3 * K * 4
