@@ -378,11 +378,13 @@ def _count_builds(monkeypatch) -> list:
     return builds
 
 
-def _train_unweighted(monkeypatch, make, off, micro_batches, before_step=None, after_step=None):
+def _train_unweighted(monkeypatch, make, off, micro_batches, before_step=None, after_step=None, device="cpu"):
     counted = Counted(monkeypatch, off)
-    model = Net()
-    opt = make(model.parameters())
+    model = Net().to(device)
+    # (on CUDA the extension's backend by name: "auto" may choose Triton there)
+    opt = make(model.parameters()) if device == "cpu" else make(model.parameters(), backend="cpp")
     for i, (x, y) in enumerate(_batches(micro_batches)):
+        x, y = x.to(device), y.to(device)
         ((model(x) - y) ** 2).mean().backward()
         if before_step is not None:
             before_step(i, model)
@@ -393,18 +395,23 @@ def _train_unweighted(monkeypatch, make, off, micro_batches, before_step=None, a
 
 
 UNWEIGHTED = {
-    "adamw": lambda ps: accum_fused.AdamW(ps, lr=1e-2, weight_decay=0.1, accumulation_steps=4),
-    "sgd_momentum_clip": lambda ps: accum_fused.SGD(ps, lr=0.1, momentum=0.9, accumulation_steps=4, max_grad_norm=0.5),
+    "adamw": lambda ps, **kw: accum_fused.AdamW(ps, lr=1e-2, weight_decay=0.1, accumulation_steps=4, **kw),
+    "sgd_momentum_clip": lambda ps, **kw: accum_fused.SGD(ps, lr=0.1, momentum=0.9, accumulation_steps=4,
+                                                          max_grad_norm=0.5, **kw),
 }
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("case", list(UNWEIGHTED))
-def test_a_windows_first_gradients_become_its_buffers_and_go_with_the_window(monkeypatch, case):
+def test_a_windows_first_gradients_become_its_buffers_and_go_with_the_window(monkeypatch, case, device):
     """Weight 1, nothing else holding the gradient: the table takes autograd's fp32 gradient as
     the buffer (zero-copy, as the native loop's first micro-batch), and the window lets go of
     it as it ends: between windows only the parameters and the state are held (12 B per fp32
     AdamW parameter, the native loop's after zero_grad). The table outlives the windows (built
-    once), and training is bit for bit the Python path's, which copies."""
+    once), and training is bit for bit the Python path's, which copies. On CUDA parameters too
+    (the same checks on device memory)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     builds = _count_builds(monkeypatch)
     seen = {}
 
@@ -420,10 +427,11 @@ def test_a_windows_first_gradients_become_its_buffers_and_go_with_the_window(mon
         if i % 4 == 3:
             assert not win.buffers and not win.adopted and opt.update_count == i // 4 + 1
 
-    counted, opt, end = _train_unweighted(monkeypatch, UNWEIGHTED[case], False, 13, before_step, after_step)
+    counted, opt, end = _train_unweighted(monkeypatch, UNWEIGHTED[case], False, 13, before_step, after_step,
+                                          device=device)
     assert len(builds) == 1 and counted.taken == 13 and counted.closed == 3  # (every micro-batch)
     with monkeypatch.context() as m:
-        _, _, spec_end = _train_unweighted(m, UNWEIGHTED[case], True, 13)
+        _, _, spec_end = _train_unweighted(m, UNWEIGHTED[case], True, 13, device=device)
     _assert_same(end, spec_end)
 
 
