@@ -164,11 +164,13 @@ class Window:
         return self.sync is not None or self.shards is not None
 
     # ------------------------------------------------------------------ taking gradients in
-    def buffer(self, p: Tensor) -> Tensor:
+    def buffer(self, p: Tensor, kept: bool = True) -> Tensor:
+        """``p``'s buffer, allocated when it has none (``kept``: it stays between windows; else
+        the window lets go of it as it ends)."""
         buf = self.buffers.get(p)
         if buf is None:
             buf = self.buffers[p] = torch.empty_like(p, dtype=state_dtype(p), memory_format=torch.preserve_format)
-            self.changed()
+            self.changed(kept=kept)
         return buf
 
     def enter_weight(self, weight: float) -> float:
@@ -418,13 +420,7 @@ class Window:
         ``p`` straight into its buffer (overwriting a stale one). With ``norm_weight_sum``,
         returns ||acc / norm_weight_sum|| (``backend``'s norm pass over the buffer)."""
         overwrite = p not in self.live
-        buf = self.buffers.get(p)
-        if buf is None and self.sync is None:
-            # (let go of when the window closes, below: no buffer kept between windows changed)
-            buf = self.buffers[p] = torch.empty_like(p, dtype=state_dtype(p), memory_format=torch.preserve_format)
-            self.changed(kept=False)
-        elif buf is None:
-            buf = self.buffer(p)
+        buf = self.buffer(p, kept=self.sync is not None)  # (without ranks, let go of as the window closes: below)
         writer.write(buf, weight, overwrite=overwrite)
         if overwrite and self.sync is None:
             self.adopted.add(p)  # let go when the window closes, as an adopted gradient is

@@ -91,6 +91,8 @@ parser.add_argument("--interleave", choices=("pass", "window"), default="pass",
                          "allocates and frees in a run of its own passes, as in a loop of its own)")
 parser.add_argument("--json", default=None)
 args = parser.parse_args()
+if args.linear_tokens < 0:
+    parser.error(f"--linear-tokens must be a positive number of tokens, got {args.linear_tokens}")
 if args.linear_tokens and not args.shapes_of:
     parser.error("--linear-tokens needs --shapes-of (the model whose Linear layers run)")
 torch.set_num_threads(args.threads)

@@ -372,22 +372,8 @@ struct HookState {
       }
       if (norm_weight_sum.has_value()) norm = window_norms_op({buf}, *norm_weight_sum).select(0, 0);
     }
-    s.seen_task = armed_task;
-    if (advancing) {
-      s.next_mode = kAdd;
-      s.next_buffer = buf;
-    }
-    s.adopted_in_window |= starts;
-    ++taken;
-    if (starts) {
-      taken_now.adopted.push_back(slot_id);
-      taken_now.grads.push_back(buf);
-    } else if (norm.has_value()) {
-      taken_now.normed.push_back(slot_id);
-      taken_now.norms.push_back(std::move(*norm));
-    } else {
-      taken_now.added.push_back(slot_id);
-    }
+    // (a start is recorded as an adoption of the buffer it wrote: the window lets go of it)
+    record_take(slot_id, starts ? kAdopt : kAdd, starts ? std::optional<Tensor>(buf) : std::nullopt, std::move(norm));
     return true;
   }
 
@@ -478,8 +464,17 @@ struct HookState {
         if (norms.has_value()) norm = norms->reshape({});
       }
     }
+    record_take(slot_id, done, std::move(adopted), std::move(norm));
+    return true;
+  }
+
+  // What a slot did with its gradient of the armed pass (`done`; `adopted`: the tensor that
+  // became its buffer), for the lists (advanced: the slot is live, the next pass adds into the
+  // buffer it has) and for drain. Under the lock.
+  void record_take(int64_t slot_id, int64_t done, std::optional<Tensor> adopted, std::optional<Tensor> norm) {
+    Slot& s = slots[slot_id];
     s.seen_task = armed_task;
-    if (advancing) {  // (the slot is live now: the next pass adds into the buffer it has)
+    if (advancing) {
       s.next_mode = kAdd;
       if (adopted.has_value()) s.next_buffer = *adopted;
     }
@@ -499,7 +494,6 @@ struct HookState {
       taken_now.written.push_back(slot_id);
       taken_now.written_norms.push_back(std::move(norm));
     }
-    return true;
   }
 
   // The update op's own checks, so that it cannot raise inside backward: the parameter and its
