@@ -65,6 +65,24 @@ def cmd_bench(args) -> int:
     return run_bench(args, args.argv)
 
 
+# The extension's fast paths that reach into torch internals, and what each does when it is in
+# (csrc/torch_compat.h decides which are, by the torch the extension was compiled against).
+FAST_PATHS = {
+    "adopt_preserved_gradients": (
+        "a window's first fp32 gradients adopted as its buffers even after Python read them (p.grad)",
+        "needs torch >= 2.10 headers; such gradients are copied (4 B/param more between micro-batches)"),
+}
+
+
+def _fast_path_lines(extension) -> list[str]:
+    built = getattr(extension, "torch_headers", "unknown")
+    lines = [f"extension compiled against torch {built}; C++ in-backward hooks and plain mode's step table: in"]
+    for name, (what, without) in FAST_PATHS.items():
+        state = "in" if extension.fast_paths.get(name) else f"out ({without})"
+        lines.append(f"fast path {name}: {state}: {what}")
+    return lines
+
+
 def info_lines() -> list[str]:
     lines = [f"accum_fused {__version__}", f"python {platform.python_version()}", f"torch {torch.__version__}"]
     try:
@@ -94,6 +112,8 @@ def info_lines() -> list[str]:
                 runs.append(f"{'/'.join(dtypes)} parameters on {device.type}")
         extra = f"; extension built with CUDA: {bool(module._C.with_cuda)}" if name == "cpp" else ""
         lines.append(f"backend {name}: available; runs {', '.join(runs) or 'nothing on the devices here'}{extra}")
+        if name == "cpp":
+            lines.extend(_fast_path_lines(module._C))
     for device in devices:
         picked = backends.resolve(backends.AUTO, device, torch.float32)
         lines.append(f"auto on {device.type}: {picked.name}")

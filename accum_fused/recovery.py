@@ -137,19 +137,31 @@ def _check_count(name: str, value) -> int | None:
 
 
 # ------------------------------------------------------------------------------------ batches
-def num_samples(batch) -> int | None:
+def num_samples(batch, _depth: int = 0) -> int | None:
     """The size along dim 0 of the first tensor in ``batch`` (tensors, sequences, mappings such
-    as a Hugging Face BatchEncoding), or None when it holds none."""
+    as a Hugging Face BatchEncoding, and the attributes of a batch object of the user's own: a
+    dataclass, a class holding its tensors), or None when it holds none."""
     if isinstance(batch, Tensor):
         return batch.shape[0] if batch.dim() else None
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            n = num_samples(item)
+    items = _items(batch)
+    if items is not None and _depth < 8:  # (a cycle of objects ends here)
+        for item in items:
+            n = num_samples(item, _depth + 1)
             if n is not None:
                 return n
     return None
+
+
+def _items(value) -> list | None:
+    """What a batch holds: a sequence's items, a mapping's values, an object's attributes."""
+    if isinstance(value, Mapping):
+        return list(value.values())
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, (str, bytes, int, float, complex, bool, type)) or value is None:
+        return None
+    attributes = getattr(value, "__dict__", None)
+    return list(attributes.values()) if isinstance(attributes, dict) else None
 
 
 def split_batch(batch, sizes: list[int]) -> list:
@@ -170,6 +182,9 @@ def split_batch(batch, sizes: list[int]) -> list:
         if isinstance(value, (list, tuple)):
             columns = [split(item) for item in value]
             return [_rebuild(value, [parts[i] for parts in columns]) for i in range(len(sizes))]
+        if num_samples(value) == n:  # an object of the user's own holds batch tensors: only they can split it
+            raise TypeError(f"opt.run() cannot split this batch: a {type(value).__name__} holds its tensors (tensors, "
+                            "tuples, lists, dicts and namedtuples are split); pass split=fn(batch, n) -> n parts")
         return [value] * len(sizes)
 
     return split(batch)
@@ -189,15 +204,36 @@ def _rebuild(like, items):
 
 
 class _Part:
-    __slots__ = ("batch", "size")
+    """A part of a micro-batch and its sample count (None: not countable). ``shareable``: the
+    sizes of the parts it was split with add up to the micro-batch's, so a ``weight=`` given for
+    the micro-batch is shared among them by their sizes (a user's ``split`` may return parts
+    that hold no countable tensor, or count something else)."""
+    __slots__ = ("batch", "size", "shareable")
 
-    def __init__(self, batch, size: int | None):
-        self.batch, self.size = batch, size
+    def __init__(self, batch, size: int | None, shareable: bool = True):
+        self.batch, self.size, self.shareable = batch, size, shareable
+
+    def share(self, total: int | None) -> float:
+        """The part's share of the micro-batch's samples (1 for the micro-batch whole)."""
+        if self.size == total and self.shareable:
+            return 1.0
+        if not self.shareable:
+            raise TypeError(
+                "opt.run() with split=: the parts split(batch, n) returned hold no tensor to count samples by (or "
+                "their counts do not add up to the batch's), so the micro-batch's weight cannot be shared among "
+                "them: return (loss, weight) from loss_fn (mode A, which sums passes: give every part a tensor "
+                "whose dim 0 counts its samples)")
+        return self.size / total
 
 
 def _split(batch, total: int | None, count: int, split: Callable | None) -> list[_Part]:
     if split is not None:
-        return [_Part(piece, num_samples(piece)) for piece in split(batch, count)]
+        pieces = list(split(batch, count))
+        if not pieces:
+            raise ValueError(f"opt.run(): split(batch, {count}) returned no parts")
+        sizes = [num_samples(piece) for piece in pieces]
+        shareable = total is not None and None not in sizes and sum(sizes) == total
+        return [_Part(piece, size, shareable) for piece, size in zip(pieces, sizes)]
     if total is None:
         raise TypeError("opt.run() cannot split this batch: it holds no tensor with a batch dimension; pass "
                         "split=fn(batch, n) -> n parts")
@@ -237,7 +273,7 @@ def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: 
     parts = [_Part(batch, total)]
     if state.max_part_size is not None and total is not None and total > state.max_part_size:
         parts = _split(batch, total, math.ceil(total / state.max_part_size), split)
-    tried = [max(p.size or 0 for p in parts)]
+    tried = [_largest(parts)]
     progress = [0]  # in_backward: parts already in the window
     while True:
         closings = win.closings
@@ -268,20 +304,39 @@ def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: 
         gc.collect()
         if any(p.is_cuda for p in opt._all_params()):
             torch.cuda.empty_cache()
-        if opt.in_backward:  # the parts in the window stay; the failed one (first left) becomes two
-            failed = parts[0]
-            if failed.size is not None and failed.size <= 1:
-                _fail_at_one_sample(opt, tried, reason, progress[0])
-            parts = _split(failed.batch, failed.size, 2, split) + parts[1:]
-        else:  # plain mode: the whole micro-batch again, in twice as many parts
-            if max(p.size or 0 for p in parts) <= 1:
-                _fail_at_one_sample(opt, tried, reason, 0)
-            parts = _split(batch, total, 2 * len(parts), split)
-        largest = max(p.size or 0 for p in parts)
+        parts_in = progress[0] if opt.in_backward else 0
+        try:
+            if opt.in_backward:  # the parts in the window stay; the failed one (first left) becomes two
+                failed = parts[0]
+                smaller = [] if _one_sample([failed]) else _split(failed.batch, failed.size, 2, split)
+                more = len(smaller) > 1
+                parts = smaller + parts[1:]
+            else:  # plain mode: the whole micro-batch again, in twice as many parts
+                smaller = [] if _one_sample(parts) else _split(batch, total, 2 * len(parts), split)
+                more = len(smaller) > len(parts)
+                parts = smaller
+        except Exception:
+            _give_up(opt, parts_in)  # (a batch that cannot be split: the window as it was before it)
+            raise
+        if not more:  # (a user's split that cannot make more parts)
+            _fail_at_one_sample(opt, tried, reason, parts_in)
+        largest = _largest(parts)
         tried.append(largest)
-        state.max_part_size = largest if state.max_part_size is None else min(state.max_part_size, largest)
-        log.warning("accum_fused: out of memory on a micro-batch (%s); retrying it in parts of up to %d samples "
+        if isinstance(largest, int):  # (parts of unknown sizes teach later micro-batches nothing)
+            state.max_part_size = largest if state.max_part_size is None else min(state.max_part_size, largest)
+        log.warning("accum_fused: out of memory on a micro-batch (%s); retrying it in parts of up to %s samples "
                     "(retries so far: %d)", reason, largest, state.retries)
+
+
+def _one_sample(parts: list[_Part]) -> bool:
+    """Whether no part can be split further by its sample count (sizes known, none above 1)."""
+    return all(p.size is not None and p.size <= 1 for p in parts)
+
+
+def _largest(parts: list[_Part]) -> int | str:
+    """The largest part's sample count, or "?" where a part's is unknown (a user's split)."""
+    sizes = [p.size for p in parts]
+    return "?" if None in sizes else max(sizes)
 
 
 def _fail_at_one_sample(opt, tried: list, reason: str, parts_in: int):
@@ -306,7 +361,8 @@ def _call(loss_fn, part: _Part, weight: float | None, total: int | None, summed:
                              "passes: loss_fn must return the loss alone, scaled as your loop backpropagates it")
         return loss, float(returned)
     if weight is not None:
-        return loss, float(weight) * ((part.size or 1) / (total or 1) if part.size != total else 1.0)
+        share = part.share(total)
+        return loss, float(weight) * share if share != 1.0 else float(weight)
     if part.size is None:
         raise TypeError("opt.run(): the batch holds no tensor to count its samples by: return (loss, weight) "
                         "from loss_fn, or pass weight=")
@@ -364,7 +420,7 @@ def _run_in_backward(opt, parts: list[_Part], loss_fn, weight, total, progress: 
             loss, w = _call(loss_fn, part, weight, total, summed=mode_a)
             win.parts_left = len(parts) - 1
             if mode_a:
-                share = 1.0 if part.size == total or part.size is None else part.size / total
+                share = part.share(total)
                 opt.backward(loss * share if share != 1.0 else loss)
             else:
                 opt.backward(loss, weight=w)

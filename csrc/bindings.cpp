@@ -15,6 +15,7 @@
 
 #include "cpu/driver.h"
 #include "ops.h"
+#include "torch_compat.h"
 
 #ifdef WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -474,6 +475,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+  // The torch whose headers this build was compiled against, and which of the fast paths that
+  // reach into torch internals it holds (torch_compat.h): `python -m accum_fused info` prints them.
+  m.attr("torch_headers") = TORCH_VERSION;
+  py::dict fast_paths;
+  fast_paths["adopt_preserved_gradients"] = static_cast<bool>(ACCUM_FUSED_PRESERVED_PYOBJECTS_TELL);
+  m.attr("fast_paths") = fast_paths;
   m.def("cpu_kernel_variant", &cpu::kernel_variant, "The CPU kernel build in use: AVX2 or DEFAULT");
   m.def("layout_mismatches", &layout_mismatches, py::arg("tensors"), py::arg("buffers"));
   m.def("state_fits", &state_fits, py::arg("params"), py::arg("lists"));

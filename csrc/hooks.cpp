@@ -79,6 +79,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "torch_compat.h"
 
 namespace accum_fused {
 namespace {
@@ -603,7 +604,7 @@ struct ExtensionHook : torch::autograd::PostAccumulateGradHook {
     }
   }
 
-  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) ACCUM_FUSED_COMPILED_ARGS_CONST override {
     TORCH_CHECK_NOT_IMPLEMENTED(false, kCompiledAutogradMessage);
   }
 
@@ -659,14 +660,15 @@ struct TakeBeforeAccumulate : torch::autograd::FunctionPreHook {
     return {Tensor()};  // (AccumulateGrad returns at once on an undefined gradient)
   }
 
-  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) ACCUM_FUSED_COMPILED_ARGS_CONST override {
     TORCH_CHECK_NOT_IMPLEMENTED(false, kCompiledAutogradMessage);
   }
 };
 
 // Held by Python (_ExtensionHookHandle): the gradient accumulator node TakeBeforeAccumulate is on.
 struct KeptAccumulator {
-  c10::intrusive_ptr<torch::autograd::Node> node;
+  // (a std::shared_ptr before torch 2.13, a c10::intrusive_ptr since)
+  decltype(torch::autograd::impl::grad_accumulator(std::declval<const Tensor&>())) node;
 };
 
 bool is_take_before(const std::unique_ptr<torch::autograd::FunctionPreHook>& hook) {

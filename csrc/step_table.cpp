@@ -37,7 +37,6 @@
 //     mark_live(params), reset_live(), live_count
 //     conforms()                           every buffer still fits its parameter (Window.conform's check)
 #include <torch/extension.h>
-#include <torch/version.h>
 
 #include <algorithm>
 #include <optional>
@@ -46,10 +45,7 @@
 #include <vector>
 
 #include "ops.h"
-
-// torch >= 2.13 tells whether a tensor's or storage's Python object is held only by it
-// (is_tensor_stealable, PyObjectSlot::has_unique_reference).
-#define PRESERVED_PYOBJECTS_TELL (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13))
+#include "torch_compat.h"
 
 namespace accum_fused {
 namespace {
@@ -146,7 +142,7 @@ struct StepTable {
   // only where nothing in Python holds the wrapper (torch >= 2.13 tells; before, such a
   // gradient is copied).
   static bool only_held_here(const Tensor& g) {
-#if PRESERVED_PYOBJECTS_TELL
+#if ACCUM_FUSED_PRESERVED_PYOBJECTS_TELL
     return torch::autograd::impl::is_tensor_stealable(g, /*num_expected_refs=*/2);
 #else
     return g.use_count() <= 2;
@@ -158,7 +154,7 @@ struct StepTable {
   static bool memory_held_only_by(const Tensor& g) {
     const c10::Storage& storage = g.storage();
     const size_t owners = storage.use_count();
-#if PRESERVED_PYOBJECTS_TELL
+#if ACCUM_FUSED_PRESERVED_PYOBJECTS_TELL
     return owners == 1 || (owners == 2 && storage.unsafeGetStorageImpl()->pyobj_slot()->has_unique_reference());
 #else
     return owners == 1;

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from accum_fused import bench
 from accum_fused.demo import run_demo
@@ -91,6 +92,24 @@ def test_info_lists_every_backend():
         assert any(line.startswith(f"backend {name}: ") for line in out.splitlines()), out
     assert "backend torch: available" in out
     assert "auto on cpu: " in out
+
+
+def test_info_says_which_fast_paths_the_extension_holds():
+    """The torch the extension was compiled against, and each fast path that reaches into torch
+    internals in or out (csrc/torch_compat.h): the pinned torch holds every one."""
+    from accum_fused import backends
+    from accum_fused.__main__ import FAST_PATHS
+    cpp_backend = backends._load("cpp")
+    if cpp_backend is None:
+        pytest.skip("the extension is not built")
+    lines = run_cli("info").stdout.splitlines()
+    assert f"extension compiled against torch {cpp_backend._C.torch_headers}; C++ in-backward hooks and plain mode's step table: in" in lines
+    assert set(cpp_backend._C.fast_paths) == set(FAST_PATHS)
+    for name, (what, without) in FAST_PATHS.items():
+        held = cpp_backend._C.fast_paths[name]
+        assert f"fast path {name}: {'in' if held else 'out (' + without + ')'}: {what}" in lines
+    if torch.__version__ >= (2, 10):  # (TorchVersion compares with tuples; CI's suite runs 2.13)
+        assert all(cpp_backend._C.fast_paths.values())
 
 
 def test_demo_writes_table_and_png(tmp_path):

@@ -395,6 +395,114 @@ def test_a_user_splitter_for_other_batches(backend):
     assert seen == [2] and opt.micro_step == 1
 
 
+class _MyBatch:
+    """A batch type of the user's own (issue 44 row 1): its tensors are attributes."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+
+def _split_my_batch(seen):
+    def split(b, n):
+        seen.append(n)
+        return [_MyBatch(x, y) for x, y in zip(b.x.tensor_split(n), b.y.tensor_split(n))]
+    return split
+
+
+def _my_loss_fn(model):
+    return lambda b: nn.functional.mse_loss(model(b.x), b.y)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_batch_type_of_the_users_own_is_split_by_its_split(backend, mode):
+    """opt.run(MyBatch, loss_fn, split=fn, weight=n): the batch counts its samples by its
+    attributes' tensors, so an out-of-memory micro-batch is split by ``split`` (it used to read as
+    0 samples and give up at once), the weight shared by the parts' sizes: against the same
+    micro-batches run whole (to fp32 rounding) and the split run's window as one micro-batch."""
+    if mode == "A":
+        pytest.skip("mode A: weight= has no meaning (the passes are summed)")
+    runs = {}
+    for armed in (False, True):
+        model = Net("mid")
+        opt = _optimizer(model, mode, backend)
+        seen = []
+        for i, (x, y) in enumerate(_data()):
+            model.limit = [4] if armed else None
+            opt.run(_MyBatch(x, y), _my_loss_fn(model), split=_split_my_batch(seen), weight=len(x))
+        assert opt.update_count == 2 and opt.micro_step == 0
+        runs[armed] = (_params(model), seen, opt.recovery.retries)
+    assert runs[False][1:] == ([], 0)
+    assert runs[True][1][0] == 2 and runs[True][2] >= 1  # (split called; sticky splits after)
+    _assert_close(runs[True][0], runs[False][0], exact=False)
+
+
+@pytest.mark.parametrize("mode", ["plain", "B"])
+def test_a_batch_type_of_the_users_own_without_split_is_refused_as_documented(backend, mode):
+    """No split= for a batch only the user can split: the documented TypeError naming split=
+    (it used to be RuntimeError "a part of one sample still runs out of memory", the batch read
+    as 0 samples). Plain mode: the window as it was before the micro-batch. Mode B: as any
+    failure after a pass's gradients began to enter the window (_give_up), the window is
+    discarded, with the documented warning."""
+    model = Net("mid")
+    opt = _optimizer(model, mode, backend)
+    x, y = _data()[0]
+    opt.run((x, y), _loss_fn(model))
+    before = (opt.micro_step, _params(model))
+    model.limit = [4]
+    x, y = _data()[1]
+    refused = pytest.raises(TypeError, match=r"opt.run\(\) cannot split this batch: a _MyBatch holds its tensors .*"
+                                             r"pass split=fn\(batch, n\) -> n parts")
+    if mode == "plain":
+        with refused:
+            opt.run(_MyBatch(x, y), _my_loss_fn(model), weight=len(x))
+        assert opt.micro_step == before[0] and all(p.grad is None for p in model.parameters())
+    else:
+        with refused, pytest.warns(RuntimeWarning, match="the window was discarded with the 1 micro-batch"):
+            opt.run(_MyBatch(x, y), _my_loss_fn(model), weight=len(x))
+        assert opt.micro_step == 0
+    _assert_close(_params(model), before[1], exact=True)
+    model.limit = None
+    micro_step = opt.micro_step
+    opt.run(_MyBatch(x, y), _my_loss_fn(model), weight=len(x))  # (usable: the micro-batch whole)
+    assert opt.micro_step == micro_step + 1
+
+
+def test_parts_that_cannot_be_counted_do_not_share_a_weight(backend):
+    """split= returning parts with no countable tensor, and weight= for the micro-batch: the
+    parts' shares are unknown, so it is refused, naming (loss, weight), and the window is as it
+    was -- never each part given the whole weight (the micro-batch counted twice)."""
+    model = Net("mid")
+    opt = _optimizer(model, "plain", backend)
+    x, y = _data()[1]
+    batch = {"payload": [(x[i], y[i]) for i in range(len(x))]}
+
+    def splitter(b, n):
+        items = b["payload"]
+        step = -(-len(items) // n)
+        return [{"payload": items[i:i + step]} for i in range(0, len(items), step)]
+
+    def loss_fn(b):
+        xs = torch.stack([p[0] for p in b["payload"]])
+        return nn.functional.mse_loss(model(xs), torch.stack([p[1] for p in b["payload"]]))
+
+    model.limit = [4]
+    with pytest.raises(TypeError, match=r"return \(loss, weight\) from loss_fn"):
+        opt.run(batch, loss_fn, split=splitter, weight=8)
+    assert opt.micro_step == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_a_split_that_makes_no_more_parts_gives_up_naming_the_tries(backend):
+    """A user's split that returns as many parts as before cannot make a part smaller: the
+    one-sample RuntimeError, not a loop of retries."""
+    model = Net("mid")
+    opt = _optimizer(model, "plain", backend)
+    x, y = _data()[1]
+    model.limit = [0]
+    with pytest.raises(RuntimeError, match=r"still runs out of memory .*part sizes tried: \[8\]"):
+        opt.run(_MyBatch(x, y), _my_loss_fn(model), split=lambda b, n: [b], weight=8)
+    assert opt.micro_step == 0 and opt.recovery.retries == 1
+
+
 def test_out_of_memory_is_recognised_by_type_and_by_the_cpu_allocators_error():
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
     assert is_out_of_memory(MemoryError())

@@ -268,7 +268,7 @@ class _Taken:
             # graph (element counts stuck at 100, 200, 300, 300 over four micro-batches of 100; the
             # running variance 1.94x the big batch's after 10 windows): the graph calls this op
             # instead, which records in Python at every call, in call order (an ordered effect).
-            _record_op(input.detach(), self.slot)
+            _compiled_record(input.detach(), self.slot)
         else:
             self.add(input)  # after the forward succeeded
         return out
@@ -296,7 +296,14 @@ def _(input: Tensor, slot: int) -> None:
     return None
 
 
-_record_op.register_effect(torch.library.EffectType.ORDERED)
+if hasattr(_record_op, "register_effect"):  # torch >= 2.10
+    _record_op.register_effect(torch.library.EffectType.ORDERED)
+    _compiled_record = _record_op
+else:
+    # Before torch 2.10 a custom op cannot declare an ordered effect, and a graph may drop or
+    # reorder an op that returns nothing: the compiled forward calls the eager record through a
+    # graph break instead (correct, one break per BatchNorm call; fullgraph=True refuses it).
+    _compiled_record = torch._dynamo.disable(_record_op)
 
 
 class WindowBatchNorm:
