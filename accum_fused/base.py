@@ -114,6 +114,8 @@ class AccumulatingOptimizer:
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.backend = backend
+        if process_group is distributed.NOT_GIVEN:
+            process_group = None
         self.process_group = process_group
         self.in_backward = in_backward
         self._hook_handles: list = []

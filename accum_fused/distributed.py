@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import weakref
 from collections import defaultdict
 from typing import Callable, Iterable, Iterator
@@ -59,11 +60,41 @@ def _dist():
     return dist
 
 
+class _NotGiven:
+    """``process_group``'s default: no argument. An explicit None is told apart from it:
+    ``torch.distributed.group.WORLD`` is None until ``init_process_group()``, so
+    ``process_group=group.WORLD`` before it arrives as None, and would train every rank alone."""
+
+    def __repr__(self) -> str:
+        return "NOT_GIVEN"
+
+
+NOT_GIVEN = _NotGiven()
+
+
+def launched_world_size() -> int:
+    """The number of ranks a launcher started (torchrun, Lightning, accelerate set WORLD_SIZE)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
 def check_process_group(process_group) -> None:
-    """Raise a clear error unless ``process_group`` is None or a usable torch.distributed group."""
-    if process_group is None:
+    """Raise a clear error unless ``process_group`` is not given, None, or a usable
+    torch.distributed group. None given explicitly in a job a launcher started on several ranks,
+    before torch.distributed is initialized, is ``group.WORLD`` read too early: refused."""
+    if process_group is NOT_GIVEN:
         return
     dist = _dist()
+    if process_group is None:
+        if launched_world_size() > 1 and dist.is_available() and not dist.is_initialized():
+            raise RuntimeError(
+                "process_group was given but torch.distributed is not initialized: process_group=None in a job "
+                f"launched on WORLD_SIZE={launched_world_size()} ranks (torch.distributed.group.WORLD is None until "
+                "init_process_group()); call torch.distributed.init_process_group(...) before building the "
+                "optimizer, or leave process_group out for ranks that update alone")
+        return
     if not dist.is_available():
         raise RuntimeError("process_group needs torch.distributed, which this PyTorch build does not include")
     if not dist.is_initialized():

@@ -338,3 +338,26 @@ def test_duplicate_parameters_warn_like_torch(backend, name):
     ref = messages(lambda params: torch_cls(params, lr=0.1))
     assert ref  # torch warns
     assert messages(lambda params: ours_cls(params, lr=0.1, backend=backend)) == ref
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps, **kw: accum_fused.SGD(ps, lr=0.1, **kw),
+    lambda ps, **kw: accum_fused.Adam(ps, **kw),
+    lambda ps, **kw: accum_fused.AdamW(ps, **kw),
+    lambda ps, **kw: accum_fused.GradientAccumulator(torch.optim.SGD(ps, lr=0.1), 2, **kw),
+], ids=["SGD", "Adam", "AdamW", "GradientAccumulator"])
+def test_group_world_read_before_init_process_group_is_refused(monkeypatch, make):
+    """process_group=torch.distributed.group.WORLD before init_process_group() is None: in a job
+    a launcher started on several ranks (WORLD_SIZE > 1) it is refused with the listed message
+    (issue 44 row 3: it trained every rank alone, silently). No argument, and None in a
+    single-process job, still mean no group."""
+    assert not torch.distributed.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"process_group was given but torch.distributed is not initialized: "
+                                           r"process_group=None in a job launched on WORLD_SIZE=2 ranks"):
+        make([nn.Parameter(torch.ones(3))], process_group=torch.distributed.group.WORLD)
+    assert make([nn.Parameter(torch.ones(3))]).process_group is None
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert make([nn.Parameter(torch.ones(3))], process_group=None).process_group is None
+    monkeypatch.delenv("WORLD_SIZE")
+    assert make([nn.Parameter(torch.ones(3))], process_group=None).process_group is None
