@@ -58,7 +58,7 @@ def _check_accumulation_args(accumulation_steps, max_grad_norm, backend, captura
 def _check_bf16_update(param_group: dict[str, Any], default: str) -> None:
     mode = param_group.get("bf16_update", default)
     if mode not in BF16_UPDATES:
-        raise ValueError(f"bf16_update must be one of {', '.join(map(repr, BF16_UPDATES))}, got {mode!r}")
+        raise ValueError(f"bf16_update must be one of {BF16_UPDATES}, got {mode!r}")
     params = param_group.get("params", [])
     params = [params] if isinstance(params, Tensor) else params
     if mode != "nearest" and any(isinstance(p, Tensor) and p.dtype == torch.float16 for p in params):

@@ -80,6 +80,7 @@ class Site:
     kind: str  # "raise" or "warn"
     keys: list  # one key per message the site can raise (a helper may build several)
     excluded: str = ""  # why it is left out, by rule
+    messages: list = None  # each message's literal segments (placeholders between them)
 
     def where(self) -> str:
         return f"{self.path}:{self.line}"
@@ -270,7 +271,7 @@ def _site_from_segments(module, node, segs, kind, label) -> Site:
         if reason is None:
             return Site(module.path, node.lineno, kind, None, f"UNRESOLVED ({label})")
         return Site(module.path, node.lineno, kind, [], f"keyed elsewhere: {reason}")
-    return Site(module.path, node.lineno, kind, sorted({_key(s) for s in segs}))
+    return Site(module.path, node.lineno, kind, sorted({_key(s) for s in segs}), messages=segs)
 
 
 def test_every_raise_is_reduced_to_a_key():
@@ -298,6 +299,79 @@ def test_every_error_message_has_a_troubleshooting_entry():
         f"{len(missing)} error message(s) have no entry in docs/troubleshooting.md; add each (its text, what it "
         "means, the fix) under the right heading:\n"
         + "\n".join(f"  {s.where()} ({s.kind}): {k!r}" for s, k in missing))
+
+
+_QUOTE = re.compile(r"\*\*(`+) ?(.+?) ?\1\*\*")  # how the page quotes a message: **`text`** (**`` text ``**)
+
+
+def _quote_fits(quote: str, segments: list[str]) -> bool:
+    """Whether ``quote`` (the page's text of a message) is the message whose literal
+    ``segments`` are given, with each placeholder between them standing for an example value
+    (at most _GAP characters) and a "…" in the quote for text left out: its text up to its
+    first "…" must be the message's (or a beginning of it, where "…" follows), character for
+    character. A placeholder that opens the message may be left out (the page quotes from the
+    key), and so may a trailing one."""
+    head, cut = (quote.split(PLACEHOLDER, 1)[0], True) if PLACEHOLDER in quote else (quote, False)
+    head = head.rstrip() if cut else head
+    literals = [_normalise(seg) if i in (0, len(segments) - 1) else re.sub(r"\s+", " ", seg)
+                for i, seg in enumerate(segments)]
+
+    def match(q: int, i: int, c: int) -> bool:
+        # quote position q, segment i, character c in it
+        while i < len(literals) and c < len(literals[i]):
+            if q == len(head):
+                return cut
+            if head[q] != literals[i][c]:
+                return False
+            q, c = q + 1, c + 1
+        if i >= len(literals) - 1:
+            return q == len(head)
+        # a placeholder between segment i and i + 1: any text of at most _GAP characters
+        if q == len(head) or (i + 1 == len(literals) - 1 and literals[-1] == ""):
+            return True  # (the quote ends at a placeholder, or the message does: any value)
+        return any(match(q + n, i + 1, 0) for n in range(0, min(_GAP, len(head) - q) + 1))
+
+    if match(0, 0, 0):
+        return True
+    # the quote may start after a placeholder that opens the message (a name: `AdamW.run(): …`
+    # quoted as `.run(): …` is not done, but a message keyed from its second segment is)
+    return len(literals) > 1 and literals[0] == "" and match(0, 1, 0) if literals else False
+
+
+def test_a_quoted_message_is_the_message_in_full():
+    """Where the page quotes a message (**`…`**) that a raise builds, the quote is that
+    message's text, not only its leading key (issue 44 row 4: the page quoted
+    ``one of ('nearest', …), got 'round'`` where the code said ``one of 'nearest', …``)."""
+    with open(PAGE) as f:
+        page = f.read()
+    quotes = [_normalise(q) for _, q in _QUOTE.findall(page.replace("\n", " "))]
+    wrong = []
+    for site in collect_sites():
+        for segments in site.messages or []:
+            key = _key_pattern(_key(segments))
+            quoted = [q for q in quotes if key.search(q)]
+            if quoted and not any(_quote_fits(q, segments) for q in quoted):
+                wrong.append(f"{site.where()}: {''.join(s + PLACEHOLDER for s in segments)[:-1]!r} "
+                             f"quoted as {quoted[0]!r}")
+    assert not wrong, "the page's quote differs from the message:\n  " + "\n  ".join(wrong)
+
+
+@pytest.mark.parametrize("quote, segments, fits", [
+    ("bf16_update must be one of ('nearest', 'stochastic', 'kahan'), got 'round'",
+     ["bf16_update must be one of ", ", got ", ""], True),
+    ("AdamW.run(): a part of one sample still runs out of memory (…); part sizes tried: 8",
+     ["", ".run(): a part of one sample still runs out of memory (", "); part sizes tried: ", ""], True),
+    ("process_group must be a ProcessGroup or None", ["process_group must be a ProcessGroup"], False),
+    ("process_group must be a ProcessGroup or None", ["process_group must be a ", ""], True),
+    ("AdamW got DTensor parameters with a 2-D device mesh (HSDP / tensor parallel are not supported yet; FSDP2 "
+     "on a 1-D mesh is)", ["", " got DTensor parameters with ", ""], True),
+    ("weight must be finite and > 0, got", ["weight must be finite and > 0, got ", ""], True),
+    ("weight must be finite and >= 0, got 0", ["weight must be finite and > 0, got ", ""], False),
+    ("a message … whatever follows", ["a message that goes on", ""], True),
+    ("a messages … whatever follows", ["a message that goes on", ""], False),
+])
+def test_quote_rule(quote, segments, fits):
+    assert _quote_fits(quote, segments) is fits
 
 
 @pytest.mark.parametrize("segments, key", [

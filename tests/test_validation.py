@@ -361,3 +361,14 @@ def test_group_world_read_before_init_process_group_is_refused(monkeypatch, make
     assert make([nn.Parameter(torch.ones(3))], process_group=None).process_group is None
     monkeypatch.delenv("WORLD_SIZE")
     assert make([nn.Parameter(torch.ones(3))], process_group=None).process_group is None
+
+
+def test_the_bf16_update_message_is_the_one_the_page_quotes():
+    """The page quotes it with its values (issue 44 row 4): the message is exactly that text."""
+    import os
+    import re
+    quoted = "bf16_update must be one of ('nearest', 'stochastic', 'kahan'), got 'round'"
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "troubleshooting.md")) as f:
+        assert quoted in " ".join(f.read().split())
+    with pytest.raises(ValueError, match="^" + re.escape(quoted) + "$"):
+        accum_fused.AdamW([nn.Parameter(torch.ones(2))], bf16_update="round")
