@@ -211,6 +211,11 @@ class SGD(_Bf16Rounding, AccumulatingOptimizer, torch.optim.SGD):
                     self.state[p]["momentum_buffer"] = like_param(momentum_buffer, p)
 
 
+# torch.optim.Adam takes decoupled_weight_decay from torch 2.7 (AdamW became Adam with it); before,
+# AdamW was a class of its own: the flag is then kept in the groups here, as 2.7 keeps it.
+_ADAM_DECOUPLES = "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters
+
+
 class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
     """torch.optim.Adam with gradient accumulation (docs/getting-started.md, docs/concepts.md).
 
@@ -231,11 +236,22 @@ class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
         _check_accumulation_args(accumulation_steps, max_grad_norm, backend, capturable, differentiable,
                                  process_group)
         _check_bf16_update({}, bf16_update)
+        decoupled = {"decoupled_weight_decay": decoupled_weight_decay} if _ADAM_DECOUPLES else {}
         torch.optim.Adam.__init__(self, params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                                   maximize=maximize, capturable=capturable, differentiable=differentiable,
-                                  fused=fused, decoupled_weight_decay=decoupled_weight_decay)
+                                  fused=fused, **decoupled)
+        if not _ADAM_DECOUPLES:  # the groups hold it as torch >= 2.7's Adam's do
+            self.defaults["decoupled_weight_decay"] = decoupled_weight_decay
+            for group in self.param_groups:
+                group.setdefault("decoupled_weight_decay", decoupled_weight_decay)
         self._init_bf16_update(bf16_update)
         self._init_accumulation(accumulation_steps, max_grad_norm, backend, process_group, in_backward)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if not _ADAM_DECOUPLES:  # (a group loaded from torch < 2.7's Adam or AdamW lacks the flag)
+            for group in self.param_groups:
+                group.setdefault("decoupled_weight_decay", self.defaults["decoupled_weight_decay"])
 
     def _call_keys(self, params: list[Tensor]) -> list[int]:
         # Bias corrections depend on the step, which differs for parameters that missed windows.
@@ -308,7 +324,9 @@ class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
                     maximize=group["maximize"], decoupled_weight_decay=group["decoupled_weight_decay"])
 
 
-class AdamW(Adam, torch.optim.AdamW):
+# (Before torch 2.7 torch.optim.AdamW is not an Adam: with it among the bases, torch.optim.Adam's
+# own super().__init__ would reach AdamW's. There accum_fused.AdamW is a torch.optim.Adam only.)
+class AdamW(Adam, torch.optim.AdamW if _ADAM_DECOUPLES else torch.optim.Optimizer):
     """torch.optim.AdamW with gradient accumulation: Adam with decoupled weight decay."""
 
     def __init__(self, params, lr: float | Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import accum_fused
+from accum_fused.optim import _ADAM_DECOUPLES
 from _helpers import (
     OPTIMIZERS,
     TORCH_STATE_KEYS,
@@ -69,6 +70,8 @@ def test_k1_matches_torch_step_for_step(backend, name, hyper):
     model = make_model()
     ref_model = copy.deepcopy(model)
     opt = ours_cls(model.parameters(), backend=backend, **hyper)
+    if hyper.get("decoupled_weight_decay") and not _ADAM_DECOUPLES:  # (torch < 2.7: AdamW is that Adam)
+        torch_cls, hyper = torch.optim.AdamW, {k: v for k, v in hyper.items() if k != "decoupled_weight_decay"}
     torch_opt = torch_cls(ref_model.parameters(), **hyper)
     _run_both(opt, model, torch_opt, ref_model, make_batches([5] * NUM_STEPS), backend)
     assert_params_changed(model, make_model())
@@ -95,6 +98,8 @@ def test_k1_tensor_lr_matches_torch(backend, name, hyper):
     model = make_model()
     ref_model = copy.deepcopy(model)
     opt = ours_cls(model.parameters(), backend=backend, **hyper)
+    if hyper.get("decoupled_weight_decay") and not _ADAM_DECOUPLES:  # (torch < 2.7: AdamW is that Adam)
+        torch_cls, hyper = torch.optim.AdamW, {k: v for k, v in hyper.items() if k != "decoupled_weight_decay"}
     torch_opt = torch_cls(ref_model.parameters(), **hyper)
     _run_both(opt, model, torch_opt, ref_model, make_batches([5] * NUM_STEPS), backend)
     assert_params_changed(model, make_model())
@@ -132,7 +137,8 @@ def test_is_a_torch_optimizer_with_torch_defaults(backend, name):
     model = make_model()
     opt = ours_cls(model.parameters(), backend=backend)
     torch_opt = torch_cls(make_model().parameters())
-    assert isinstance(opt, torch_cls)
+    # (torch < 2.7's AdamW is not an Adam, and cannot be a base beside it: accum_fused.AdamW is an Adam there)
+    assert isinstance(opt, torch_cls if _ADAM_DECOUPLES or name != "AdamW" else torch.optim.Adam)
     assert isinstance(opt, torch.optim.Optimizer)
     assert opt.accumulation_steps == 1
     assert opt.micro_step == 0
@@ -160,14 +166,18 @@ def test_constructor_signature_extends_torch(name):
         assert ours[arg].kind == param.kind, arg
         assert ours[arg].default == param.default, arg
     extras = {arg: (p.kind, p.default) for arg, p in ours.items() if arg not in ref}
-    assert extras == {
+    expected = {
         "accumulation_steps": (inspect.Parameter.KEYWORD_ONLY, 1),
         "max_grad_norm": (inspect.Parameter.KEYWORD_ONLY, None),
         "backend": (inspect.Parameter.KEYWORD_ONLY, "auto"),
-        "process_group": (inspect.Parameter.KEYWORD_ONLY, None),
+        # (not given: told apart from an explicit None, which group.WORLD is before init_process_group)
+        "process_group": (inspect.Parameter.KEYWORD_ONLY, accum_fused.distributed.NOT_GIVEN),
         "in_backward": (inspect.Parameter.KEYWORD_ONLY, False),
         "bf16_update": (inspect.Parameter.KEYWORD_ONLY, "nearest"),
     }
+    if name == "Adam" and not _ADAM_DECOUPLES:  # (torch >= 2.7's argument, kept before it too)
+        expected["decoupled_weight_decay"] = (inspect.Parameter.KEYWORD_ONLY, False)
+    assert extras == expected
     step = inspect.signature(ours_cls.step).parameters
     assert list(step) == ["self", "closure", "weight"]
     assert step["closure"].default is None
