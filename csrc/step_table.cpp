@@ -59,7 +59,12 @@ struct StepTable {
   std::vector<py::object> objects;  // the parameters as Python objects (identity checks)
   std::vector<Tensor> params;
   std::vector<Tensor> buffers;  // undefined: none yet
+  // Each parameter's dtype, device and shape when the table was built: one that changed since
+  // (`p.data = ...`, a resize or move between windows) is Window.conform's and conform_state's to
+  // refuse or follow, with the spec's message; the table hands it back (fits, conforms).
   std::vector<at::ScalarType> param_dtypes;
+  std::vector<at::Device> param_devices;
+  std::vector<std::vector<int64_t>> param_shapes;
   std::vector<char> live;
   std::vector<char> adopted;  // buffers[i] is an adopted gradient: let go of when the window ends
   bool may_adopt;             // (not where the buffers are views of one flat storage: DDP's)
@@ -82,6 +87,8 @@ struct StepTable {
       objects.push_back(obj);
       index_of[p.unsafeGetTensorImpl()] = static_cast<int64_t>(i);
       param_dtypes.push_back(p.scalar_type());
+      param_devices.push_back(p.device());
+      param_shapes.push_back(p.sizes().vec());
       params.push_back(std::move(p));
       buffers.push_back(bufs[i].value_or(Tensor()));
       TORCH_CHECK(!live_now[i] || buffers.back().defined(), "StepTable: a live parameter without a buffer");
@@ -110,7 +117,7 @@ struct StepTable {
     const Tensor& p = params[i];
     const Tensor& b = buffers[i];
     if (g.layout() != at::kStrided || !kernel_dtype(g.scalar_type()) || !plain_memory(g)) return false;
-    if (p.scalar_type() != param_dtypes[i]) return false;  // the parameter changed: Window.conform's work
+    if (!unchanged(i)) return false;  // the parameter changed: Window.conform's work
     if (!b.defined()) {
       // take gives it one: the gradient itself or a contiguous fp32 buffer (Window.buffer's, for
       // a contiguous parameter of a kernel dtype); anything else is Window.buffer's to allocate.
@@ -313,13 +320,17 @@ struct StepTable {
     }
   }
 
-  // Whether every buffer still fits its parameter as when the table was built (Window.conform
-  // would change nothing): same parameter dtype, device and shape.
+  bool unchanged(size_t i) const {
+    const Tensor& p = params[i];
+    return p.scalar_type() == param_dtypes[i] && p.device() == param_devices[i] && p.sizes() == param_shapes[i];
+  }
+
+  // Whether every parameter is as when the table was built and every buffer still fits it
+  // (Window.conform and conform_state would change nothing): same dtype, device and shape.
   bool conforms() const {
     for (size_t i = 0; i < params.size(); ++i) {
       const Tensor& b = buffers[i];
-      if (b.defined() && (params[i].scalar_type() != param_dtypes[i] || params[i].device() != b.device() ||
-                          params[i].sizes() != b.sizes())) {
+      if (!unchanged(i) || (b.defined() && (params[i].device() != b.device() || params[i].sizes() != b.sizes()))) {
         return false;
       }
     }
