@@ -313,6 +313,34 @@ def test_a_micro_batch_with_more_calls_is_refused_at_that_call():
     assert _record(model) == ([(len(xs[0]) + len(xs[1])) * per_sample], 1, 1)  # its first call only
 
 
+@pytest.mark.parametrize("name", ["SGD-plain", "AdamW-B"])
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_train_mode_forward_under_no_grad_counts_as_torch_counts_it(name, where):
+    """Issue 44 row 6: a metric pass in train mode under no_grad before a micro-batch counted as
+    one more call of that micro-batch; in the window's last, the close raised from step() after
+    the update was applied. Now it is torch's own forward: its running statistics move as
+    torch's would (momentum, num_batches_tracked), and the window's are the big batch's on top."""
+    make, mode = OPTIMIZERS[name]
+    model = make_model()
+    windows = make_data()
+    opt = make(model.parameters(), "torch")
+    window_batchnorm(model, opt)
+    bn = model[0]
+    oracle = copy.deepcopy(bn).train()
+    probe = torch.randn_like(windows[0][0])
+    xs = windows[0]
+    for i, x in enumerate(xs):
+        if i == (0 if where == "first" else len(xs) - 1):
+            with torch.no_grad():
+                model(probe)
+            oracle(probe)
+        micro_batch(opt, model, x, mode)
+    end_window(opt, mode, partial=len(xs) < K)
+    assert opt.update_count == 1
+    oracle(torch.cat(xs))
+    assert_state(bn_state(bn), bn_state(oracle))
+
+
 def test_a_micro_batch_with_fewer_calls_is_refused():
     """In a middle micro-batch: at the next micro-batch's first call. In the window's last: when
     the window closes, which then leaves the running statistics as they were."""

@@ -255,9 +255,13 @@ class _Taken:
     def forward(self, input: Tensor) -> Tensor:
         m = self.module
         opt = self.optimizer()
-        if not m.training or opt is None or opt._closed:
+        if not m.training or opt is None or opt._closed or not torch.is_grad_enabled():
             # Eval mode reads the running statistics; without a window that can close (the
-            # optimizer closed or collected) the module is its own again.
+            # optimizer closed or collected) the module is its own again. A train-mode forward
+            # under no_grad (a metric pass in train mode, precise-BN's recalibration) is no
+            # micro-batch's: torch's own forward counts it, as it would without window_batchnorm
+            # (it used to count as one more call of the micro-batch, and the window's close
+            # refused the window after its update was applied).
             return type(m).forward(m, input)
         m._check_input_dim(input)
         # _BatchNorm.forward's own call for track_running_stats=False: normalised with the
