@@ -218,7 +218,7 @@ class FastPath:
             return  # buckets handed to the other ranks as gradients arrive: Python's
         from .backends import cpp_backend
         fold = _FoldArgs() if mb.fold else None
-        may_adopt = mb.weight == 1.0 and win.sync is None  # (as _can_adopt)
+        may_adopt = win.sync is None  # (as _can_adopt)
         complete = win.complete  # (their gradients go to take_grad, which drops them)
         # What the lists below depend on, short of a loop over the parameters: the slots, the
         # parameter taken first (not armed), which buffers exist and are live (``win.version``
@@ -861,7 +861,10 @@ def _add(opt, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
     # window's other parameters; a fused Linear called twice per forward then gets both.)
     if p not in win.live:
         mb.started.add(p)  # a failed pass takes it back out
-        if not written and _can_adopt(win, p, grad, mb.weight):
+        if not written and _can_adopt(win, p, grad):
+            if mb.weight != 1.0:  # (in place: the copying overwrite's product, g * w, bit for bit)
+                opt._backend_for(p).accumulate(grads=[kernel_view(grad)], buffers=[kernel_view(grad)],
+                                               weight=mb.weight, overwrite=True)
             win.adopt(p, grad)
             mb.completed.add(p)
             return
@@ -887,10 +890,11 @@ def _add(opt, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
         win.sync.grad_ready(p)  # may launch its bucket's all-reduce while backward goes on
 
 
-def _can_adopt(win, p: Tensor, grad: Tensor, weight: float) -> bool:
+def _can_adopt(win, p: Tensor, grad: Tensor) -> bool:
     """Whether the first gradient of a window can be the buffer itself: the same dtype and
-    layout, weight 1, nothing else holding it (a view may be DDP's bucket), no flat buffers."""
-    return (weight == 1.0 and win.sync is None and grad.dtype == state_dtype(p) and grad.device == p.device
+    layout, nothing else holding it (a view may be DDP's bucket), no flat buffers. A weighted
+    micro-batch's is scaled in place (the buffer holds w * g), so any weight may adopt."""
+    return (win.sync is None and grad.dtype == state_dtype(p) and grad.device == p.device
             and grad._base is None and grad.is_contiguous() and p.is_contiguous()
             and not is_dtensor(grad))  # FSDP2's shards are views of one reduce-scatter output
 

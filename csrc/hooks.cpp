@@ -8,8 +8,9 @@
 //   ADD        add into its live buffer (with weight; with the window-norm output on a clipped
 //              window's last micro-batch)
 //   OVERWRITE  overwrite its stale buffer (its first gradient of the window)
-//   ADOPT      become its buffer (fp32, weight 1, no ranks: the zero-copy first micro-batch) if
-//              the gradient allows it, else OVERWRITE when a stale buffer was given
+//   ADOPT      become its buffer (fp32, no ranks: the zero-copy first micro-batch; scaled in place
+//              by a weight other than 1) if the gradient allows it, else OVERWRITE when a stale
+//              buffer was given
 //   FOLD       update the parameter with its window (the last micro-batch, no clipping, no
 //              ranks), with the update op and the scalars in_backward.py computed for its group
 // Anything else -- a parameter not armed, a second gradient in one pass, another autograd graph
@@ -447,6 +448,13 @@ struct HookState {
     if (s.mode == kAdopt && grad.scalar_type() == at::kFloat && grad.is_contiguous() && !grad.is_view() &&
         param.is_contiguous()) {
       adopted = grad;  // (as in_backward._can_adopt: the gradient is autograd's fresh, unshared tensor)
+      if (weight != 1.0) {  // a weighted micro-batch: scaled in place, the copying overwrite's product
+        if (grad.is_cpu()) {
+          accumulate_one_cpu(grad, grad, weight, /*overwrite=*/true, std::nullopt);
+        } else {
+          accumulate_op({grad}, {grad}, weight, /*overwrite=*/true, std::nullopt, std::nullopt);
+        }
+      }
     } else {
       if (s.mode == kAdopt) done = kOverwrite;
       const Tensor& buf = s.buffer;

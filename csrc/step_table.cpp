@@ -129,16 +129,17 @@ struct StepTable {
   }
 
   // Whether the gradient at position k of the last check can become its parameter's buffer, as
-  // in_backward._can_adopt takes one: fp32 (the buffer's dtype), weight 1, no scale to undo,
+  // in_backward._can_adopt takes one: fp32 (the buffer's dtype), any weight (take scales a
+  // weighted one in place), no scale to undo,
   // plain-mode micro-batches (clear: .grad is freed, so only the buffer holds it), and nothing
   // else holding the tensor or its memory -- the parameter's .grad and this table's check are
   // its only references, it is no view and no other tensor shares its storage -- so that adding
   // into it later changes no tensor anyone else can see. Nor a gradient with a graph
   // (backward(create_graph=True)).
-  bool can_adopt(size_t k, double weight, bool scaled, bool clear) const {
+  bool can_adopt(size_t k, bool scaled, bool clear) const {
     const Tensor& g = grads[k];
     const Tensor& p = params[present[k]];
-    return may_adopt && clear && weight == 1.0 && !scaled && g.scalar_type() == at::kFloat &&
+    return may_adopt && clear && !scaled && g.scalar_type() == at::kFloat &&
            p.scalar_type() == at::kFloat && !g.is_view() && !g.requires_grad() && only_held_here(g) &&
            memory_held_only_by(g) && g.is_contiguous() && p.is_contiguous();
   }
@@ -196,22 +197,24 @@ struct StepTable {
   Taken take(double weight, const std::optional<Tensor>& grad_scale, bool clear,
              std::optional<double> norm_weight_sum) {
     TORCH_CHECK(present.size() == grads.size(), "StepTable.take: check() first");
-    // Buffers for those without one: adopted gradients (no accumulate for them: weight 1,
-    // overwrite), then fresh ones. The table keeps them only once the kernels ran: an
+    // Buffers for those without one: adopted gradients (no accumulate for them at weight 1;
+    // scaled in place after the others otherwise), then fresh ones. The table keeps them only once the kernels ran: an
     // allocation or a kernel that raises (out of memory) leaves the table as it was, for
     // Python's path to take the micro-batch (out-of-memory recovery retries it in parts).
     std::vector<int64_t> given, fresh;
     std::vector<Tensor> given_buffers, fresh_buffers;
     std::vector<Tensor> buffer_at(present.size());  // position k's buffer in this take
     std::vector<char> skip(present.size(), 0);
+    std::vector<Tensor> scaled_in_place;  // adopted with a weight other than 1: g <- g * w
     for (size_t k = 0; k < present.size(); ++k) {
       const int64_t i = present[k];
       if (buffers[i].defined()) {
         buffer_at[k] = buffers[i];
-      } else if (!norm_weight_sum.has_value() && can_adopt(k, weight, grad_scale.has_value(), clear)) {
+      } else if (!norm_weight_sum.has_value() && can_adopt(k, grad_scale.has_value(), clear)) {
         skip[k] = 1;
         given.push_back(i);
         given_buffers.push_back(grads[k]);
+        if (weight != 1.0) scaled_in_place.push_back(grads[k]);
       } else {
         buffer_at[k] = at::empty(params[i].sizes(), params[i].options().dtype(at::kFloat));
         fresh.push_back(i);
@@ -259,6 +262,11 @@ struct StepTable {
         if (!norms.has_value()) norms = at::empty({static_cast<int64_t>(present.size())}, group_norms->options());
         norms->index_copy_(0, at::tensor(g.order, at::kLong).to(group_norms->device()), *group_norms);
       }
+      // Last, once nothing else can fail (a failed take leaves .grad for Python's path as it
+      // was): an adopted gradient of a weighted micro-batch is scaled in place, the overwrite
+      // pass with the gradient as its own buffer (acc <- g * w, elementwise; the same float
+      // product as the copying overwrite, so bit for bit the spec's).
+      if (!scaled_in_place.empty()) accumulate_op(scaled_in_place, scaled_in_place, weight, true, std::nullopt, std::nullopt);
     }
     for (size_t j = 0; j < given.size(); ++j) {
       buffers[given[j]] = given_buffers[j];

@@ -90,11 +90,10 @@ def test_extension_hooks_match_python_hooks(monkeypatch, dtype, mode, clip, name
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)
     # Python's share (the extension's is the rest): each pass's first gradient; a first gradient
-    # of the window with no buffer to overwrite (Python allocates it): in mode A with bf16/fp16
-    # parameters once (fp32 ones are adopted), in mode B in one of the windows (window 1's first
-    # micro-batch adopts fp32 gradients, window 2's, weighted 2, finds the adopted buffers gone;
-    # bf16/fp16: window 1); the first update without clipping (it creates the optimizer state).
-    expected = K * 3 + 5 * ((mode == "A" and dtype != torch.float32) + (mode == "B") + (mode == "B" and clip is None))
+    # of the window with no buffer to overwrite (Python allocates it): with bf16/fp16 parameters
+    # once, in window 1 (fp32 ones are adopted in every window, a weighted one scaled in place);
+    # the first update without clipping (it creates the optimizer state).
+    expected = K * 3 + 5 * ((dtype != torch.float32) + (mode == "B" and clip is None))
     assert python_calls == expected
 
 
@@ -451,15 +450,14 @@ def test_gradients_are_taken_before_autograd_accumulates_them(mode, clip, device
         _micro_batch(opt, model(x * (i + 1)).square().mean(), mode, i)
         per_pass.append(state.taken_before_accumulate - before)
         assert all(p.grad is None for p in model.parameters())
-    # 6 parameters: 5 gradients a pass besides the first. Mode A: each window's first pass adopts
-    # (step() updates). Mode B (_micro_batch's weights 1, 2, 3, 1, ...): window 1's first pass
-    # adopts (weight 1), window 2's (weight 2) finds the adopted buffers gone (Python allocates
-    # them), window 3's overwrites those; window 1's last pass creates the state (Python) unless
-    # it clips (then it adds, and the update runs after backward); later last passes fold.
+    # 6 parameters: 5 gradients a pass besides the first. Every window's first pass adopts, in
+    # mode B with its weight (_micro_batch's weights 1, 2, 3, 1, ...: scaled in place), after
+    # autograd's steal; window 1's last pass creates the state (Python) unless it clips (then it
+    # adds, and the update runs after backward); later last passes fold.
     if mode == "A":
         expected = [0 if i % K == 0 else 5 for i in range(3 * K)]
     else:
-        expected = [0 if i in (0, K) or (i == K - 1 and clip is None) else 5 for i in range(3 * K)]
+        expected = [0 if i % K == 0 or (i == K - 1 and clip is None) else 5 for i in range(3 * K)]
     assert per_pass == expected
     opt.close()
     assert all(extension.count_take_before(p) == 0 for p in model.parameters())

@@ -399,3 +399,61 @@ def test_mode_a_checkpoint_between_backward_and_step_resumes_bit_exactly(backend
         assert o.update_count == 3
     for a, b in zip(model.parameters(), resumed_model.parameters()):
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+def _bytes_held_per_parameter(opt, model) -> float:
+    """What the optimizer and the model hold between windows, per parameter: parameters, their
+    .grad, the optimizer's state tensors and the window's buffers (each storage once)."""
+    storages = {}
+    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
+               *(t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim()),
+               *opt._window.buffers.values()]
+    for t in tensors:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values()) / sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("mode, weighted", [("plain", False), ("plain", True), ("A", False), ("B", False),
+                                            ("B", True)])
+def test_fp32_adamw_holds_12_bytes_per_parameter_between_windows_with_any_weight(backend, mode, weighted):
+    """The memory guide's number, computed: fp32 AdamW holds 12 B/param between windows
+    (parameter 4, state 8) in every mode, with weights too (issue 44 row 2: any weight other
+    than 1 copied the window's first gradients, and 16 B/param stayed); plain mode on the torch
+    and triton backends, which have no step table, 16. And a weighted window
+    that adopts is bit for bit the copying one: the buffer holds g * w, the same float product."""
+    results = []
+    from accum_fused import in_backward, window
+    for adopt in (True, False):
+        mp = pytest.MonkeyPatch()
+        if not adopt:  # the copying path: Python's hooks and plain mode's Python path, no adoption
+            mp.setattr(in_backward, "_can_adopt", lambda *a: False)
+            mp.setattr(in_backward.FastPath, "for_optimizer", staticmethod(lambda opt: None))
+            mp.setattr(window.StepTable, "build", staticmethod(lambda *a: None))
+        model = make_model()
+        opt = accum_fused.AdamW(model.parameters(), lr=1e-2, accumulation_steps=1 if mode == "A" else 2,
+                                in_backward=mode != "plain", backend=backend)
+        try:
+            for i, batch in enumerate(make_batches([2, 3, 4, 5])):
+                weight = float(len(batch[0])) if weighted else None
+                loss = loss_of(model, batch)
+                if mode == "B":
+                    opt.backward(loss, weight=weight)
+                else:
+                    loss.backward()
+                    if mode == "plain":
+                        opt.step(weight=weight)
+                        opt.zero_grad()
+                    elif i % 2 == 1:
+                        opt.step()
+                        opt.zero_grad()
+                if i % 2 == 1 and adopt:
+                    assert opt.update_count == (i + 1) // 2
+                    # (plain mode adopts through the extension's step table: cpp, auto on CPU)
+                    copies = mode == "plain" and backend in ("torch", "triton")
+                    assert _bytes_held_per_parameter(opt, model) == (16.0 if copies else 12.0)
+        finally:
+            opt.close()
+            mp.undo()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b), (a - b).abs().max()

@@ -255,15 +255,20 @@ def test_a_stale_buffer_that_no_longer_fits_is_dropped_when_the_table_is_built(m
     body, extra = nn.Linear(3, 2), nn.Parameter(torch.ones(4))
     opt = accum_fused.SGD([*body.parameters(), extra], lr=0.1, accumulation_steps=3)
 
+    held = []
+
     def micro_batch(with_extra):
         loss = body(torch.ones(2, 3)).sum()
         if with_extra:
             loss = loss + (extra * extra).sum()
         loss.backward()
-        opt.step(weight=0.5)  # (not 1: the buffers are fresh ones, kept between windows, not adopted gradients)
+        # (gradients held here are copied: the buffers are fresh ones, kept between windows)
+        held.extend(p.grad for p in [*body.parameters(), extra] if p.grad is not None)
+        opt.step(weight=0.5)
 
     for _ in range(3):
         micro_batch(True)
+    held.clear()
     assert extra in opt._window.buffers and not opt._window.adopted
     extra.data = torch.ones(6)  # resized between windows
     opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
