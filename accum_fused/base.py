@@ -64,16 +64,6 @@ def _accumulation_steps_set(self, value) -> None:
     self.__dict__["accumulation_steps"] = check_accumulation_steps(value)
 
 
-def _window_view(name: str, doc: str) -> property:
-    def get(self):
-        return getattr(self._window, name)
-
-    def set_(self, value):
-        setattr(self._window, name, value)
-
-    return property(get, set_, doc=doc)
-
-
 class AccumulatingOptimizer:
     """The entry points shared by SGD, Adam, AdamW and GradientAccumulator.
 
@@ -92,15 +82,54 @@ class AccumulatingOptimizer:
     # window's sums first (clipping, a cross-rank reduce).
     _folds_last_micro_batch = True
 
-    accumulation_steps = property(
-        _accumulation_steps_get, _accumulation_steps_set,
-        doc="Micro-batches per window, validated as at construction. A change applies to the open window "
-            "too: it closes when its micro-batch count reaches the new value (with the next micro-batch if it "
-            "already has).")
-    micro_step = _window_view("micro_step", "Micro-batches in the open window.")
-    updated = _window_view("updated", "Whether the last step()/flush() applied an update.")
-    update_count = _window_view("update_count", "Updates applied (skipped or empty windows do not count).")
-    last_grad_norm = _window_view("last_grad_norm", "Pre-clip global norm of the last clipped window.")
+    # (Properties with docstrings, written out: the API reference reads them from the source.)
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per window, validated as at construction. A change applies to the open
+        window too: it closes when its micro-batch count reaches the new value (with the next
+        micro-batch if it already has)."""
+        return _accumulation_steps_get(self)
+
+    @accumulation_steps.setter
+    def accumulation_steps(self, value: int) -> None:
+        _accumulation_steps_set(self, value)
+
+    @property
+    def micro_step(self) -> int:
+        """Micro-batches in the open window."""
+        return self._window.micro_step
+
+    @micro_step.setter
+    def micro_step(self, value: int) -> None:
+        self._window.micro_step = value
+
+    @property
+    def updated(self) -> bool:
+        """Whether the last step()/flush() (or mode B's last backward) applied an update."""
+        return self._window.updated
+
+    @updated.setter
+    def updated(self, value: bool) -> None:
+        self._window.updated = value
+
+    @property
+    def update_count(self) -> int:
+        """Updates applied (skipped or empty windows do not count)."""
+        return self._window.update_count
+
+    @update_count.setter
+    def update_count(self, value: int) -> None:
+        self._window.update_count = value
+
+    @property
+    def last_grad_norm(self) -> Tensor | None:
+        """Pre-clip global norm of the last clipped window: None until a window with
+        ``max_grad_norm`` set has closed (guard a print of it)."""
+        return self._window.last_grad_norm
+
+    @last_grad_norm.setter
+    def last_grad_norm(self, value: Tensor | None) -> None:
+        self._window.last_grad_norm = value
 
     @property
     def micro_batch_weight(self) -> float | None:
@@ -342,8 +371,9 @@ class AccumulatingOptimizer:
         the sizes tried. Every retry is logged (logger "accum_fused") and counted
         (``opt.recovery.retries``). ``scaler``: a torch.amp.GradScaler (plain mode): losses are
         scaled, ``scaler.step(opt, weight=)`` and ``scaler.update()`` take the micro-batch.
-        Returns the micro-batch's loss, detached (the weighted mean of its parts' when split). See
-        accum_fused/recovery.py for what is exact per mode."""
+        Returns the micro-batch's loss, detached (the weighted mean of its parts' when split). What
+        is exact per mode, and what a split costs: the out-of-memory recovery guide
+        (docs/guides/oom-recovery.md)."""
         from . import recovery
         self._check_open("run()")
         if weight is not None:

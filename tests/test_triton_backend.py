@@ -550,3 +550,29 @@ def test_optimizer_window_matches_reference_backend(tolerances):
         torch.testing.assert_close(ours, ref, rtol=rtol, atol=atol)
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("numel", [0, 1, 4097])
+@pytest.mark.parametrize("overwrite", [True, False])
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_one_tensor_accumulate_needs_no_table_and_matches_the_table_kernel(tb, numel, overwrite, scaled, gdtype):
+    """The in-backward hooks' call (one gradient): launched with direct pointers, no table built
+    or uploaded (each gradient is a new tensor, which missed the table cache every pass); bit for
+    bit the table kernel's result on the same tensor, norms included."""
+    gen = torch.Generator().manual_seed(numel)
+    grad = torch.randn(numel, generator=gen).to(gdtype).to(DEVICE)
+    start = torch.randn(numel, generator=gen).to(DEVICE)
+    other_g, other_b = torch.randn(3, device=DEVICE).to(gdtype), torch.randn(3, device=DEVICE)  # a second tensor
+    scale = torch.tensor([4.0], device=DEVICE) if scaled else None
+    one, two = start.clone(), start.clone()
+    plans = len(tb._plans), len(tb._grad_tables)
+    norm_one = tb.accumulate(grads=[grad], buffers=[one], weight=0.75, overwrite=overwrite, grad_scale=scale,
+                             norm_weight_sum=3.0)
+    assert (len(tb._plans), len(tb._grad_tables)) == plans  # no table for it
+    norms = tb.accumulate(grads=[grad, other_g], buffers=[two, other_b.clone()], weight=0.75, overwrite=overwrite,
+                          grad_scale=scale, norm_weight_sum=3.0)
+    assert torch.equal(one, two)
+    assert torch.equal(norm_one.reshape(()), norms[0])
+    assert tb.accumulate(grads=[grad], buffers=[one], weight=0.75, overwrite=overwrite, grad_scale=scale) is None

@@ -175,6 +175,42 @@ def accumulate_kernel(chunks_ptr, meta_ptr, grad_ptrs, partial_ptr, scale_ptr, w
         tl.store(partial_ptr + pid, tl.sum(sq, axis=0))
 
 
+# accumulate, one tensor (the in-backward hooks' call: a gradient at a time): the same tiles as
+# accumulate_kernel's, with the gradient and the buffer passed as pointers, so a call needs no
+# table built on the host and uploaded (a new gradient tensor each pass missed the table cache:
+# a pinned copy and an upload per gradient; issue 43's GPU run measured mode B on Triton at
+# 3.9x the native loop).
+#   grad       G_DTYPE [numel], read;  buf  fp32 [numel], read unless OVERWRITE, written
+#   partial    fp32 [programs]  NORM: as accumulate_kernel's, per program (one chunk each)
+@triton.jit(do_not_specialize=["numel", "weight", "norm_weight_sum"])
+def accumulate_one_kernel(grad, buf, numel, partial_ptr, scale_ptr, weight, norm_weight_sum,
+                          OVERWRITE: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr,
+                          CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    start = pid * CHUNK
+    end = tl.minimum(start + CHUNK, numel)
+    sq = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in range(start, end, BLOCK):
+        if off + BLOCK <= end:
+            sq = _accumulate_tile(grad, buf, off, end, sq, scale_ptr, weight, norm_weight_sum,
+                                  OVERWRITE, HAS_SCALE, NORM, False, BLOCK)
+        else:
+            sq = _accumulate_tile(grad, buf, off, end, sq, scale_ptr, weight, norm_weight_sum,
+                                  OVERWRITE, HAS_SCALE, NORM, True, BLOCK)
+    if NORM:
+        tl.store(partial_ptr + pid, tl.sum(sq, axis=0))
+
+
+# norm_finish_kernel for one tensor: its partial sums in the same order, the square root.
+@triton.jit(do_not_specialize=["n_chunks"])
+def norm_one_finish_kernel(partial_ptr, out_ptr, n_chunks, BLOCK: tl.constexpr):
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for c in range(0, n_chunks, BLOCK):
+        idx = c + tl.arange(0, BLOCK)
+        acc += tl.load(partial_ptr + idx, mask=idx < n_chunks, other=0.0)
+    tl.store(out_ptr, tl.sqrt_rn(tl.sum(acc, axis=0)))
+
+
 @triton.jit
 def _accumulate_tile(grad, buf, off, end, sq, scale_ptr, weight, norm_weight_sum,
                      OVERWRITE: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr,

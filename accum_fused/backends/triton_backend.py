@@ -200,9 +200,11 @@ def _dummy(device: torch.device) -> tuple[Tensor, Tensor]:
 
 def _launch(kernel, grid: int, *args, **constexprs) -> None:
     """Every kernel launch goes through here (tests wrap it to inspect the arguments). The first
-    argument is a table on the call's device; Triton launches on the current device and stream."""
-    if args[0].is_cuda:
-        with torch.cuda.device(args[0].device):
+    argument is a tensor on the call's device (a table, or the gradient of a one-tensor call);
+    Triton launches on the current device and stream, so another device is made current."""
+    device = args[0].device
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
             kernel[(grid,)](*args, **constexprs, **K.LAUNCH_OPTIONS)
     else:
         kernel[(grid,)](*args, **constexprs, **K.LAUNCH_OPTIONS)
@@ -297,6 +299,8 @@ def accumulate(
     device = buffers[0].device
     _check(device, dtypes[0], "gradients")
     grads = _Layout(buffers).read(grads)
+    if len(buffers) == 1:
+        return _accumulate_one(grads[0], buffers[0], weight, overwrite, grad_scale, norm_weight_sum)
     plan = _plan(device, [buffers])
     grad_ptrs, grads_aligned = _grad_table(device, grads)
     norm = norm_weight_sum is not None
@@ -314,6 +318,31 @@ def accumulate(
     if not norm:
         return None
     return _finish_norms(plan, partial, device)
+
+
+def _accumulate_one(grad: Tensor, buffer: Tensor, weight: float, overwrite: bool, grad_scale: Tensor | None,
+                    norm_weight_sum: float | None) -> Tensor | None:
+    """accumulate of one gradient (the in-backward hooks' call), without tables: the same tiles
+    and the same per-chunk partial sums as the table kernel's, finished in the same order."""
+    device = buffer.device
+    block, chunk = K.tile_sizes(buffer.numel())
+    programs = -(-buffer.numel() // chunk)
+    norm = norm_weight_sum is not None
+    scale = device_scalar(grad_scale, device)
+    dummy_f, _ = _dummy(device)
+    partial = torch.empty(programs if norm else 1, device=device)
+    if programs:
+        _launch(K.accumulate_one_kernel, programs, grad, buffer, buffer.numel(), partial,
+                   dummy_f if scale is None else scale, float(weight), float(norm_weight_sum) if norm else 1.0,
+                   OVERWRITE=bool(overwrite), HAS_SCALE=scale is not None, NORM=norm, CHUNK=chunk, BLOCK=block)
+    increment_version([buffer])
+    if not norm:
+        return None
+    out = torch.empty(1, device=device)
+    if not programs:
+        return out.zero_()
+    _launch(K.norm_one_finish_kernel, 1, partial, out, programs, BLOCK=K.FINISH_BLOCK)
+    return out
 
 
 def _finish_norms(plan: _Plan, partial: Tensor, device: torch.device) -> Tensor:
