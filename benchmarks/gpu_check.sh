@@ -85,7 +85,9 @@ stage_build() {
   rm -rf build accum_fused/_C*.so
   "$PYTHON" setup.py build_ext --inplace || return 1
   # setup.py silently builds CPU kernels only when it finds no CUDA: fail loudly here instead.
-  "$PYTHON" "$REPORT" check-build --cuda
+  "$PYTHON" "$REPORT" check-build --cuda || return 1
+  # What the build holds: the torch it was compiled against, its fast paths (issue 43).
+  "$PYTHON" -m accum_fused info
 }
 
 stage_tests() {
