@@ -148,11 +148,12 @@ setup(
         "Programming Language :: Python :: 3",
         "Programming Language :: Python :: 3 :: Only",
         "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
         "Topic :: Software Development :: Libraries :: Python Modules",
     ],
     packages=find_packages(include=["accum_fused", "accum_fused.*"]),
-    python_requires=">=3.9",
+    python_requires=">=3.11",  # CI runs 3.11; the GPU image 3.12 (README "Set up")
     extras_require={
         "demo": ["tqdm", "matplotlib"],
         "triton": ["triton"],

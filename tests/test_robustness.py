@@ -182,7 +182,10 @@ def test_model_double_mid_window_follows_the_new_dtype(backend, name):
         p.grad = (g + p.grad * 3) / 5  # the reference backend's arithmetic, in fp64
     ref_opt.step()
     for p in model.parameters():
-        assert p.dtype == torch.float64 and opt._window.buffers[p].dtype == torch.float64
+        # (a buffer kept between windows follows; the cpp backend's step table adopted the
+        # window's first gradients, weighted too, and let go of them as the window ended)
+        buffer = opt._window.buffers.get(p)
+        assert p.dtype == torch.float64 and (buffer is None or buffer.dtype == torch.float64)
         for key in ("momentum_buffer", "exp_avg", "exp_avg_sq"):
             if key in opt.state[p]:
                 assert opt.state[p][key].dtype == torch.float64
