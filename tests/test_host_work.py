@@ -133,15 +133,27 @@ def test_no_micro_batch_reads_a_device_value_on_the_host(counters, backend, mode
         assert reads == [], f"micro-batch {i}: {reads}"
 
 
+def _needs_cuda_extension(device):
+    if device == "cuda":
+        from accum_fused.backends import cpp_backend
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        if not cpp_backend.supports(torch.device("cuda"), torch.float32):
+            pytest.skip("the extension was built without CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["no-clip", "clip"])
 @pytest.mark.parametrize("mode", ["A", "B"])
-def test_the_extensions_hooks_leave_python_one_gradient_a_pass(counters, mode, clip):
-    """cpp: past the first window (whose close creates the optimizer state in Python), each
+def test_the_extensions_hooks_leave_python_one_gradient_a_pass(counters, mode, clip, device):
+    """cpp, on CPU and (marked cuda) CUDA parameters, whose C++ hooks run on autograd's device
+    thread: past the first window (whose close creates the optimizer state in Python), each
     backward pass runs Python for its first gradient only (it arms the C++ hooks), and Python
     calls the extension at most once for that gradient and, at a window's close, once for the
     update of the group (and once for the norms of mode A's clipped close): no Python and no
     Python-side launch per gradient, whatever the number of parameters."""
-    per = _per_micro_batch(counters, "cpp", mode, clip)
+    _needs_cuda_extension(device)
+    per = _per_micro_batch(counters, "cpp", mode, clip, device=device)
     for i, (_, takes, kernels) in enumerate(per[K:], start=K):
         closing = i % K == K - 1
         assert takes == 1, f"micro-batch {i}: {takes} gradients through Python"
@@ -155,11 +167,7 @@ def test_no_host_device_sync_on_cuda(counters, mode):
     """On a GPU: torch's own sync detector, set to raise, through three windows of each mode on
     the extension's CUDA kernels, with clipping (the close's norm and coefficient stay on the
     device)."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    from accum_fused.backends import cpp_backend
-    if not cpp_backend.supports(torch.device("cuda"), torch.float32):
-        pytest.skip("the extension was built without CUDA")
+    _needs_cuda_extension("cuda")
     _per_micro_batch(counters, "cpp", mode, 1.0, device="cuda", windows=1)  # (warm: state, tables)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
