@@ -153,6 +153,16 @@ stage_fsdp() {
   fi
 }
 
+stage_parity() {
+  # The update against torch.optim.AdamW's on the same gradients from the same start, torch's own
+  # variants beside it, and the trajectory (issue 43 item 3): its table lands in logs.txt.
+  if [ "$DRY_RUN" = 1 ]; then
+    "$PYTHON" benchmarks/gpu_parity.py --device cpu --tiny --windows 2 --json "$WORK/parity.json"
+  else
+    "$PYTHON" benchmarks/gpu_parity.py --device cuda --json "$WORK/parity.json"
+  fi
+}
+
 stage_oom() {
   # A real CUDA out-of-memory error in a micro-batch, recovered by opt.run (issue 30).
   [ "$DRY_RUN" = 1 ] && { echo "dry run: the out-of-memory check needs a GPU"; return 3; }
@@ -198,7 +208,7 @@ stage_racecheck() {
   run_sanitized racecheck "test_window_norms"
 }
 
-export -f stage_env stage_build stage_tests bench_args stage_bench stage_train stage_fsdp stage_oom find_sanitizer run_sanitized \
+export -f stage_env stage_build stage_tests bench_args stage_bench stage_train stage_fsdp stage_parity stage_oom find_sanitizer run_sanitized \
   stage_memcheck stage_racecheck
 
 # run_stage NAME CAP FLOOR_OF_LATER_STAGES: at most CAP seconds, and never so long that the later
@@ -237,6 +247,7 @@ run_stage() {
 if [ "$DRY_RUN" = 1 ]; then
   run_stage env 120 0; run_stage build 300 0; run_stage tests 300 0; run_stage bench 300 0; run_stage train 300 0
   run_stage fsdp 300 0
+  run_stage parity 300 0
   run_stage oom 30 0
   run_stage memcheck 30 0; run_stage racecheck 30 0
 else
@@ -248,6 +259,7 @@ else
   run_stage bench   60  170
   run_stage train   120 200
   run_stage fsdp    40  160
+  run_stage parity  30  130  # (not yet measured on a GPU: 3 backends x 3 windows of a 1M-parameter MLP)
   run_stage oom     60  100
   run_stage memcheck 150 20
   run_stage racecheck 60 0

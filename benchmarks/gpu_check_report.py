@@ -6,7 +6,7 @@
                          half; with --cuda, fail loudly unless the cpp backend's CUDA kernels
                          load and agree with the reference on a CUDA tensor.
   report WORK OUTDIR     gather the stages' results from WORK into OUTDIR: summary.md,
-                         gpu_check.json (holding the FSDP2 stage's fsdp.json), junit.xml, bench.json,
+                         gpu_check.json (holding the FSDP2 and parity stages' json), junit.xml, bench.json,
                          bench.png, train.json, logs.txt
                          (7 files: the device tool brings back at most 8 of at most 16 MiB).
 
@@ -26,7 +26,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 LOG_CAP = 3 << 20  # bytes of one stage's log kept in logs.txt (head and tail)
-STAGE_ORDER = ("env", "build", "tests", "bench", "train", "fsdp", "oom", "memcheck", "racecheck")
+STAGE_ORDER = ("env", "build", "tests", "bench", "train", "fsdp", "parity", "oom", "memcheck", "racecheck")
 
 
 # ------------------------------------------------------------------------------------- env
@@ -320,6 +320,7 @@ def report(work: Path, out: Path) -> int:
     bench = read_json(bench_files[-1]) if bench_files else None
     train = read_json(work / "train.json")
     fsdp = read_json(work / "fsdp.json")
+    parity = read_json(work / "parity.json")
     sanitizers = {name: {"summary": sanitizer_summary(work / f"{name}.log"), "pytest": pytest_tail(work / f"{name}.log")}
                   for name in ("memcheck", "racecheck")}
 
@@ -386,6 +387,7 @@ def report(work: Path, out: Path) -> int:
               "tests": junit, "sanitizers": sanitizers, "goals": goals,
               "bench": {k: bench[k] for k in ("copy_bandwidth", "add_bandwidth", "config")} if bench else None,
               "fsdp": fsdp,  # bench_fsdp.py's whole record (no file of its own: the device tool returns 8 at most)
+              "parity": parity,  # gpu_parity.py's record (likewise)
               "files": files}
     (out / "gpu_check.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
     return 0

@@ -57,7 +57,7 @@ def test_dry_run(tmp_path):
     record = json.loads((out / "gpu_check.json").read_text())
     stages = {s["stage"]: s["status"] for s in record["stages"]}
     assert stages == {"env": "ok", "build": "ok", "tests": "ok", "bench": "ok", "train": "ok", "fsdp": "ok",
-                      "oom": "skipped", "memcheck": "skipped", "racecheck": "skipped"}, log
+                      "parity": "ok", "oom": "skipped", "memcheck": "skipped", "racecheck": "skipped"}, log
     assert record["env"]["dry_run"] is True
     assert record["tests"]["failed"] == record["tests"]["errors"] == 0 and record["tests"]["passed"] > 0
 
@@ -69,6 +69,9 @@ def test_dry_run(tmp_path):
     fsdp = record["fsdp"]
     assert [r["pattern"] for r in fsdp["rows"]] == ["native", "a", "b", "c"]
     assert all(r["bytes_rank0"].get("all_reduce", 0) > 0 for r in fsdp["rows"] if r["pattern"] != "native")
+    parity = record["parity"]  # the reference backend on torch's gradients: torch.optim's update bit for bit
+    torch_row = next(r for r in parity["rows"] if r["backend"] == "torch")
+    assert all(w["ours_vs_single_tensor"] == 0.0 for w in torch_row["windows"])
 
     summary = (out / "summary.md").read_text()
     assert "**Result: all stages passed**" in summary
