@@ -163,14 +163,8 @@ def accumulate_kernel(chunks_ptr, meta_ptr, grad_ptrs, partial_ptr, scale_ptr, w
     if ALIGNED:
         buf = tl.multiple_of(buf, 16)
         grad = tl.multiple_of(grad, 16)
-    sq = tl.zeros([BLOCK], dtype=tl.float32)
-    for off in range(start, end, BLOCK):
-        if off + BLOCK <= end:
-            sq = _accumulate_tile(grad, buf, off, end, sq, scale_ptr, weight, norm_weight_sum,
-                                  OVERWRITE, HAS_SCALE, NORM, False, BLOCK)
-        else:
-            sq = _accumulate_tile(grad, buf, off, end, sq, scale_ptr, weight, norm_weight_sum,
-                                  OVERWRITE, HAS_SCALE, NORM, True, BLOCK)
+    sq = _accumulate_range(grad, buf, start, end, scale_ptr, weight, norm_weight_sum,
+                           OVERWRITE, HAS_SCALE, NORM, BLOCK)
     if NORM:
         tl.store(partial_ptr + pid, tl.sum(sq, axis=0))
 
@@ -189,14 +183,8 @@ def accumulate_one_kernel(grad, buf, numel, partial_ptr, scale_ptr, weight, norm
     pid = tl.program_id(0)
     start = pid * CHUNK
     end = tl.minimum(start + CHUNK, numel)
-    sq = tl.zeros([BLOCK], dtype=tl.float32)
-    for off in range(start, end, BLOCK):
-        if off + BLOCK <= end:
-            sq = _accumulate_tile(grad, buf, off, end, sq, scale_ptr, weight, norm_weight_sum,
-                                  OVERWRITE, HAS_SCALE, NORM, False, BLOCK)
-        else:
-            sq = _accumulate_tile(grad, buf, off, end, sq, scale_ptr, weight, norm_weight_sum,
-                                  OVERWRITE, HAS_SCALE, NORM, True, BLOCK)
+    sq = _accumulate_range(grad, buf, start, end, scale_ptr, weight, norm_weight_sum,
+                           OVERWRITE, HAS_SCALE, NORM, BLOCK)
     if NORM:
         tl.store(partial_ptr + pid, tl.sum(sq, axis=0))
 
@@ -209,6 +197,22 @@ def norm_one_finish_kernel(partial_ptr, out_ptr, n_chunks, BLOCK: tl.constexpr):
         idx = c + tl.arange(0, BLOCK)
         acc += tl.load(partial_ptr + idx, mask=idx < n_chunks, other=0.0)
     tl.store(out_ptr, tl.sqrt_rn(tl.sum(acc, axis=0)))
+
+
+@triton.jit
+def _accumulate_range(grad, buf, start, end, scale_ptr, weight, norm_weight_sum,
+                      OVERWRITE: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr):
+    """Elements [start, end) of one tensor, tile by tile (the full tiles unmasked): the squared
+    window-gradient sum of the range, per lane (NORM)."""
+    sq = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in range(start, end, BLOCK):
+        if off + BLOCK <= end:
+            sq = _accumulate_tile(grad, buf, off, end, sq, scale_ptr, weight, norm_weight_sum,
+                                  OVERWRITE, HAS_SCALE, NORM, False, BLOCK)
+        else:
+            sq = _accumulate_tile(grad, buf, off, end, sq, scale_ptr, weight, norm_weight_sum,
+                                  OVERWRITE, HAS_SCALE, NORM, True, BLOCK)
+    return sq
 
 
 @triton.jit
