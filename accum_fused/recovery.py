@@ -228,9 +228,11 @@ class _Part:
 
 def _split(batch, total: int | None, count: int, split: Callable | None) -> list[_Part]:
     if split is not None:
-        pieces = list(split(batch, count))
-        if not pieces:
-            raise ValueError(f"opt.run(): split(batch, {count}) returned no parts")
+        pieces = split(batch, count)
+        if not isinstance(pieces, (list, tuple)) or not pieces:
+            raise ValueError(f"opt.run(): split(batch, {count}) must return a non-empty list of parts, got "
+                             f"{type(pieces).__name__}{'' if pieces else ' (empty)'}")
+        pieces = list(pieces)
         sizes = [num_samples(piece) for piece in pieces]
         shareable = total is not None and None not in sizes and sum(sizes) == total
         return [_Part(piece, size, shareable) for piece, size in zip(pieces, sizes)]

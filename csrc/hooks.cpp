@@ -448,13 +448,8 @@ struct HookState {
     if (s.mode == kAdopt && grad.scalar_type() == at::kFloat && grad.is_contiguous() && !grad.is_view() &&
         param.is_contiguous()) {
       adopted = grad;  // (as in_backward._can_adopt: the gradient is autograd's fresh, unshared tensor)
-      if (weight != 1.0) {  // a weighted micro-batch: scaled in place, the copying overwrite's product
-        if (grad.is_cpu()) {
-          accumulate_one_cpu(grad, grad, weight, /*overwrite=*/true, std::nullopt);
-        } else {
-          accumulate_op({grad}, {grad}, weight, /*overwrite=*/true, std::nullopt, std::nullopt);
-        }
-      }
+      // A weighted micro-batch's: scaled in place, the copying overwrite's product.
+      if (weight != 1.0) accumulate_into(grad, grad, /*overwrite=*/true, std::nullopt);
     } else {
       if (s.mode == kAdopt) done = kOverwrite;
       const Tensor& buf = s.buffer;
@@ -464,17 +459,25 @@ struct HookState {
       }
       if (done == kFold) {
         fold(s, param, grad);
-      } else if (grad.is_cpu()) {
-        const auto n = accumulate_one_cpu(grad, buf, weight, /*overwrite=*/done == kOverwrite, norm_weight_sum);
-        if (n.has_value()) norm = at::scalar_tensor(*n, at::kFloat);
       } else {
-        auto norms = accumulate_op({grad}, {buf}, weight, /*overwrite=*/done == kOverwrite, std::nullopt,
-                                   norm_weight_sum);
-        if (norms.has_value()) norm = norms->reshape({});
+        norm = accumulate_into(grad, buf, /*overwrite=*/done == kOverwrite, norm_weight_sum);
       }
     }
     record_take(slot_id, done, std::move(adopted), std::move(norm));
     return true;
+  }
+
+  // One gradient into its buffer with the armed weight (the buffer may be the gradient itself:
+  // elementwise, in place), on the gradient's device; ||buf / norm_weight_sum|| as a 0-dim
+  // tensor when asked for.
+  std::optional<Tensor> accumulate_into(const Tensor& grad, const Tensor& buf, bool overwrite,
+                                        std::optional<double> norm_weight_sum) const {
+    if (grad.is_cpu()) {
+      const auto n = accumulate_one_cpu(grad, buf, weight, overwrite, norm_weight_sum);
+      return n.has_value() ? std::optional<Tensor>(at::scalar_tensor(*n, at::kFloat)) : std::nullopt;
+    }
+    auto norms = accumulate_op({grad}, {buf}, weight, overwrite, std::nullopt, norm_weight_sum);
+    return norms.has_value() ? std::optional<Tensor>(norms->reshape({})) : std::nullopt;
   }
 
   // What a slot did with its gradient of the armed pass (`done`; `adopted`: the tensor that

@@ -740,3 +740,19 @@ def test_recovery_with_fused_linear_and_bf16_parameters(backend, mode, combo):
             torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-5)
     else:
         _assert_close(recovered, reference, exact)
+
+
+def test_a_split_that_is_no_function_or_returns_no_parts_is_refused(backend):
+    """split= that cannot be called is refused at the call, before anything runs (it would be
+    found only at an out-of-memory error); one that returns no list of parts when called, with
+    the window as it was before the micro-batch."""
+    model = Net("mid")
+    opt = _optimizer(model, "plain", backend)
+    x, y = _data()[1]
+    with pytest.raises(TypeError, match=r"split must be callable \(batch, n\) -> n parts, or None, got int"):
+        opt.run(_MyBatch(x, y), _my_loss_fn(model), split=3, weight=8)
+    model.limit = [4]
+    for bad, shown in (([], r"got list \(empty\)"), (None, "got NoneType")):
+        with pytest.raises(ValueError, match=r"split\(batch, 2\) must return a non-empty list of parts, " + shown):
+            opt.run(_MyBatch(x, y), _my_loss_fn(model), split=lambda b, n, bad=bad: bad, weight=8)
+        assert opt.micro_step == 0 and all(p.grad is None for p in model.parameters())
