@@ -7,7 +7,9 @@ once per window; ``GradientAccumulator`` gives any torch.optim optimizer the sam
 Importing this package loads no extension and touches no GPU.
 """
 from .backends import available_backends
+from .checkpoint_files import CheckpointCorruptError, load_checkpoint, save_checkpoint
 from .optim import SGD, Adam, AdamW, GradientAccumulator
 from .version import __version__
 
-__all__ = ["SGD", "Adam", "AdamW", "GradientAccumulator", "available_backends", "__version__"]
+__all__ = ["SGD", "Adam", "AdamW", "GradientAccumulator", "available_backends", "save_checkpoint", "load_checkpoint",
+           "CheckpointCorruptError", "__version__"]

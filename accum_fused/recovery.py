@@ -101,12 +101,16 @@ class RecoveryState:
                 f"retries={self.retries})")
 
     def to_state(self) -> dict:
+        # failed_in_window: an open window that ran out of memory is not clean after a resume
+        # either (without it, a resumed run grew its parts back a window early: other parts).
         return {"max_part_size": self.max_part_size, "grow_back_after": self.grow_back_after,
-                "retries": self.retries, "clean_windows": self._clean_windows}
+                "retries": self.retries, "clean_windows": self._clean_windows,
+                "failed_in_window": self._failed_in_window}
 
     def load_state(self, saved: dict, update_count: int) -> None:
         self.max_part_size, self.grow_back_after = saved["max_part_size"], saved["grow_back_after"]
         self.retries, self._clean_windows = saved["retries"], saved["clean_windows"]
+        self._failed_in_window = saved.get("failed_in_window", False)  # (absent from older checkpoints: False, as before)
         self._updates_seen = update_count
 
     def _after_micro_batch(self, update_count: int) -> None:

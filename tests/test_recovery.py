@@ -653,6 +653,40 @@ def test_a_mid_window_checkpoint_after_a_recovery_resumes_bit_exactly(backend, m
     _assert_close(run(checkpoint_after=1), run(), exact=True)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_checkpoint_in_a_window_that_ran_out_of_memory_keeps_that_window_unclean(backend, mode):
+    """Found by the chaos soak (issue 45): a checkpoint taken after a recovery in the middle of a
+    window lost that the window had failed, so the resumed run counted it as clean and grew its
+    parts back a window early: other parts than the uninterrupted run's from then on, and
+    another sum (plain mode: no longer bit for bit)."""
+    import io
+
+    def run(checkpoint_after=None):
+        model = Net("mid")
+        opt = _optimizer(model, mode, backend)
+        opt.recovery.grow_back_after = 1
+        part_sizes = []
+        for i, batch in enumerate(_data()):
+            model.limit = [4] if i == 1 else None
+            _run_one(opt, model, mode, i, batch)
+            part_sizes.append(opt.recovery.max_part_size)
+            if i == checkpoint_after:
+                blob = io.BytesIO()
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, blob)
+                blob.seek(0)
+                saved = torch.load(blob, weights_only=True)
+                opt.close()
+                model = Net("mid")
+                model.load_state_dict(saved["model"])
+                opt = _optimizer(model, mode, backend)
+                opt.load_state_dict(saved["opt"])
+        return part_sizes, opt.recovery.to_state(), _params(model)
+
+    resumed, uninterrupted = run(checkpoint_after=1), run()
+    assert resumed[:2] == uninterrupted[:2]
+    _assert_close(resumed[2], uninterrupted[2], exact=True)
+
+
 def test_out_of_memory_in_the_update_is_not_retried_as_the_micro_batchs(backend, monkeypatch):
     """The window's update itself runs out of memory (its state allocated at the first update):
     that is not the micro-batch's pass, whose retry would start a new window with it; it is
