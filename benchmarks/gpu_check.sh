@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2329  # the stage functions are called through `timeout bash -c`
 # One command for a lent GPU machine (issue 11): build the extension for this GPU, run the whole
-# test suite on CUDA, time the window and training benchmarks, run compute-sanitizer on the
-# kernels, and write a summary with everything into OUTDIR. See benchmarks/README.md.
+# test suite on CUDA, time the window and training benchmarks and the GPT-2 step a user runs, run
+# compute-sanitizer on the kernels, and write a summary with everything into OUTDIR. See
+# benchmarks/README.md.
 #
 #   bash benchmarks/gpu_check.sh OUTDIR              # on the GPU machine: bash benchmarks/gpu_check.sh $OUT
 #   bash benchmarks/gpu_check.sh --dry-run OUTDIR    # CPU, tiny sizes, no build, no sanitizer (CI)
 #
 # OUTDIR gets at most 8 flat files of at most 16 MiB (what the device tool brings back):
-# summary.md, gpu_check.json (with the FSDP2 stage's results), junit.xml, bench.json, bench.png, train.json, logs.txt.
+# summary.md, gpu_check.json (with the model, FSDP2 and parity stages' results), junit.xml, bench.json, bench.png,
+# train.json, logs.txt.
 # Each stage runs under `timeout` with a share of one deadline (GPU_CHECK_BUDGET_S, default 540 s:
 # the device tool's 10-minute command limit less a margin), so a stage that runs long cannot eat
 # the next; every stage runs whatever failed before it, summary.md is always written, and the
@@ -141,6 +143,29 @@ stage_train() {
   fi
 }
 
+# Every contender of the model stage: the native loop, each accum_fused mode on each kernel backend,
+# and forward + backward alone (the floor the optimizer side is measured from).
+MODEL_CONTENDERS=native,plain:cpp,plain:triton,mode_a:cpp,mode_a:triton,mode_b:cpp,mode_b:triton,fb_only
+export MODEL_CONTENDERS
+
+stage_model() {
+  # The GPT-2 step that users run (issue 43 item 4): nanoGPT's GPT-2 small, bf16 autocast, 8 x 1024
+  # tokens per micro-batch, k=4, clip 1.0; the native loop against every mode x backend, window
+  # ms, ratio to native, optimizer-side ms (- fb_only) and peak memory; its table goes into
+  # summary.md. A backend that cannot run here is reported skipped, with why.
+  if [ "$DRY_RUN" = 1 ]; then
+    # Tiny sizes, the same flags otherwise. On CPU Triton runs only in its interpreter, which this
+    # script unsets for the real GPU run: set it again for this stage alone (~0.2 s a window).
+    TRITON_INTERPRET=1 "$PYTHON" benchmarks/bench_transformer.py --preset gpt2 --device cpu --autocast bf16 \
+      --layers 1 --d-model 32 --heads 2 --vocab 128 --seq 16 --micro-batch 2 --k 2 --warmup 1 --repeats 2 \
+      --threads 1 --contenders "$MODEL_CONTENDERS" --no-plot --json "$WORK/model.json"
+  else
+    # 1 warm-up round (Triton compiles, cuBLAS and SDPA pick their kernels) + the reference's 6.
+    "$PYTHON" benchmarks/bench_transformer.py --preset gpt2 --device cuda --autocast bf16 --warmup 1 --repeats 6 \
+      --contenders "$MODEL_CONTENDERS" --no-plot --json "$WORK/model.json"
+  fi
+}
+
 stage_fsdp() {
   # FSDP2 (fully_shard) on one rank through torchrun: native loop and accum_fused's patterns a/b/c
   # (bytes per collective, peak memory, ms per window); its table goes into summary.md.
@@ -208,8 +233,8 @@ stage_racecheck() {
   run_sanitized racecheck "test_window_norms"
 }
 
-export -f stage_env stage_build stage_tests bench_args stage_bench stage_train stage_fsdp stage_parity stage_oom find_sanitizer run_sanitized \
-  stage_memcheck stage_racecheck
+export -f stage_env stage_build stage_tests bench_args stage_bench stage_train stage_model stage_fsdp stage_parity \
+  stage_oom find_sanitizer run_sanitized stage_memcheck stage_racecheck
 
 # run_stage NAME CAP FLOOR_OF_LATER_STAGES: at most CAP seconds, and never so long that the later
 # stages lose their floors or the report its reserve.
@@ -241,11 +266,12 @@ run_stage() {
 }
 
 # Caps (s) for a real run on an H100 (expected: build ~1.5 min, CUDA tests ~1.5 min, benchmarks
-# ~2.5 min, FSDP2 ~0.5 min, the out-of-memory check ~0.5 min, sanitizers ~2 min). The third
-# number is what the stages after it are guaranteed.
+# ~3 min with the model step, FSDP2 ~0.5 min, the out-of-memory check ~0.5 min, sanitizers ~2 min).
+# The third number is what the stages after it are guaranteed.
 # The sanitizers run last: the slowest per finding, they take the time that is left.
 if [ "$DRY_RUN" = 1 ]; then
   run_stage env 120 0; run_stage build 300 0; run_stage tests 300 0; run_stage bench 300 0; run_stage train 300 0
+  run_stage model 300 0
   run_stage fsdp 300 0
   run_stage parity 300 0
   run_stage oom 30 0
@@ -253,14 +279,23 @@ if [ "$DRY_RUN" = 1 ]; then
 else
   # Measured on the H100 (2026-11-26/27): env 5 s, build 71-76 s, tests 73 s, bench 38-41 s, train 107 s,
   # fsdp 18-20 s; memcheck's slice did not finish in 80 s (2026-11-27), racecheck's took 20 s.
+  # model: not yet measured on a GPU. Estimate 30-60 s: 8 contenders x 7 windows of 32,768 tokens at
+  # ~0.2 s (bench_train's GPT-2 windows of 37,888 tokens took 155-265 ms on the H100, 2026-11-27) is
+  # ~12 s, plus the first window's setup (native's took 3.1 s there; the tests stage has compiled
+  # most of Triton's kernels into its cache), startup and 9 copies of GPT-2 small. Cap 90 s; on the
+  # 2026-11-27 times it starts at ~300 s and gets 73. Its time comes out of the floors kept for the
+  # stages after it (200 s -> 150: fsdp 30, parity 25, oom 25, memcheck 50, racecheck 20), each at or
+  # above its measured time (parity's is not measured) but memcheck's, which takes what is left:
+  # ~90 s on those times instead of ~135 s.
   run_stage env     30  430
   run_stage build   150 350
   run_stage tests   120 230
   run_stage bench   60  170
   run_stage train   120 200
-  run_stage fsdp    40  160
-  run_stage parity  30  130  # (not yet measured on a GPU: 3 backends x 3 windows of a 1M-parameter MLP)
-  run_stage oom     60  100
+  run_stage model   90  150
+  run_stage fsdp    40  120
+  run_stage parity  30  95  # (not yet measured on a GPU: 3 backends x 3 windows of a 1M-parameter MLP)
+  run_stage oom     60  70
   run_stage memcheck 150 20
   run_stage racecheck 60 0
 fi

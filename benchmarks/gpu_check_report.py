@@ -6,7 +6,7 @@
                          half; with --cuda, fail loudly unless the cpp backend's CUDA kernels
                          load and agree with the reference on a CUDA tensor.
   report WORK OUTDIR     gather the stages' results from WORK into OUTDIR: summary.md,
-                         gpu_check.json (holding the FSDP2 and parity stages' json), junit.xml, bench.json,
+                         gpu_check.json (holding the model, FSDP2 and parity stages' json), junit.xml, bench.json,
                          bench.png, train.json, logs.txt
                          (7 files: the device tool brings back at most 8 of at most 16 MiB).
 
@@ -26,7 +26,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 LOG_CAP = 3 << 20  # bytes of one stage's log kept in logs.txt (head and tail)
-STAGE_ORDER = ("env", "build", "tests", "bench", "train", "fsdp", "parity", "oom", "memcheck", "racecheck")
+STAGE_ORDER = ("env", "build", "tests", "bench", "train", "model", "fsdp", "parity", "oom", "memcheck", "racecheck")
 
 
 # ------------------------------------------------------------------------------------- env
@@ -286,6 +286,44 @@ def train_section(train: dict) -> list[str]:
     return out
 
 
+def _num(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def model_section(model: dict) -> list[str]:
+    """benchmarks/bench_transformer.py's record of the GPT-2 step (issue 43 item 4): one row per
+    contender, the skipped ones with why."""
+    cfg, dev = model["config"], model["device"]
+    clips = cfg["clips"]
+    out = [f"{cfg['params']:,} params ({cfg['layers']} layers, d {cfg['d_model']}, {cfg['heads']} heads, "
+           f"vocab {cfg['vocab']}, context {cfg['seq']}, {'tied' if cfg['tie'] else 'untied'} head) "
+           f"on {dev['name']}; k={cfg['k']} micro-batches of {cfg['micro_batch']} x {cfg['seq']} tokens, autocast "
+           f"{cfg.get('autocast') or 'off'}, clip {', '.join(str(c) for c in clips)}, native "
+           f"torch.optim.AdamW({cfg['native_adamw']}=True); {cfg['warmup']} warm-up + {cfg['repeats']} timed "
+           "rounds, contenders interleaved. vs native: median of per-round ratios; optimizer side: median of per-round "
+           f"(contender - fb_only); peak: {model.get('memory_kind', '?')}; rel. distance: "
+           "||p - p_native|| / ||p_native - p_0||.", ""]
+    clip_col = len(clips) > 1
+    header = (["clip"] if clip_col else []) + ["contender", "backend", "ms/window", "vs native", "optimizer-side ms",
+                                               "peak MB", "max abs dparam", "rel. distance", "check"]
+    out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in model["results"]:
+        backend = r.get("resolved_backend") or "-"
+        cells = ([str(r["max_grad_norm"])] if clip_col else []) + [
+            r["contender"], backend, f"{r['median_ms']:.1f}", _num(r.get("median_ratio_vs_native"), ".3f"),
+            _num(r.get("optimizer_side_ms"), ".1f"), fmt_bytes(r.get("peak_memory_bytes")),
+            _num(r.get("max_abs_diff_vs_native"), ".1e"), _num(r.get("rel_distance_vs_native"), ".1e"),
+            r.get("check") or "ok"]
+        out.append("| " + " | ".join(cells) + " |")
+    reasons: dict[str, list[str]] = {}  # (one line per reason: the triton contenders share theirs)
+    for skip in model.get("skipped", []):
+        reasons.setdefault(skip["reason"], []).append(skip["contender"])
+    if reasons:
+        out.append("")
+    out += [f"- skipped {', '.join(names)}: {reason}" for reason, names in reasons.items()]
+    return out
+
+
 def fsdp_section(fsdp: dict) -> list[str]:
     """benchmarks/bench_fsdp.py's record: one row per pattern (per rank per window)."""
     a = fsdp["args"]
@@ -319,6 +357,7 @@ def report(work: Path, out: Path) -> int:
     bench_files = sorted((work / "bench").glob("bench_*.json")) if (work / "bench").is_dir() else []
     bench = read_json(bench_files[-1]) if bench_files else None
     train = read_json(work / "train.json")
+    model = read_json(work / "model.json")
     fsdp = read_json(work / "fsdp.json")
     parity = read_json(work / "parity.json")
     sanitizers = {name: {"summary": sanitizer_summary(work / f"{name}.log"), "pytest": pytest_tail(work / f"{name}.log")}
@@ -376,6 +415,8 @@ def report(work: Path, out: Path) -> int:
         md.append("no result (see logs.txt)")
     md += ["", "## Training benchmark (benchmarks/bench_train.py)"]
     md += train_section(train) if train else ["no result (see logs.txt)"]
+    md += ["", "## Model step: GPT-2 small, native vs every mode x backend (benchmarks/bench_transformer.py)"]
+    md += model_section(model) if model else ["no result (see logs.txt)"]
     md += ["", "## FSDP2 benchmark (benchmarks/bench_fsdp.py)"]
     md += fsdp_section(fsdp) if fsdp else ["no result (see logs.txt)"]
     files = ["summary.md", "gpu_check.json"] + [p for p in ("junit.xml", "bench.json", "bench.png", "train.json")
@@ -386,6 +427,7 @@ def report(work: Path, out: Path) -> int:
     record = {"env": env, "stages": stages, "failed_stages": [s["stage"] for s in failed],
               "tests": junit, "sanitizers": sanitizers, "goals": goals,
               "bench": {k: bench[k] for k in ("copy_bandwidth", "add_bandwidth", "config")} if bench else None,
+              "model": model,  # bench_transformer.py's record of the GPT-2 step (likewise: no file of its own)
               "fsdp": fsdp,  # bench_fsdp.py's whole record (no file of its own: the device tool returns 8 at most)
               "parity": parity,  # gpu_parity.py's record (likewise)
               "files": files}

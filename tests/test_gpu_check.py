@@ -56,8 +56,9 @@ def test_dry_run(tmp_path):
 
     record = json.loads((out / "gpu_check.json").read_text())
     stages = {s["stage"]: s["status"] for s in record["stages"]}
-    assert stages == {"env": "ok", "build": "ok", "tests": "ok", "bench": "ok", "train": "ok", "fsdp": "ok",
-                      "parity": "ok", "oom": "skipped", "memcheck": "skipped", "racecheck": "skipped"}, log
+    assert stages == {"env": "ok", "build": "ok", "tests": "ok", "bench": "ok", "train": "ok", "model": "ok",
+                      "fsdp": "ok", "parity": "ok", "oom": "skipped", "memcheck": "skipped",
+                      "racecheck": "skipped"}, log
     assert record["env"]["dry_run"] is True
     assert record["tests"]["failed"] == record["tests"]["errors"] == 0 and record["tests"]["passed"] > 0
 
@@ -69,6 +70,15 @@ def test_dry_run(tmp_path):
     fsdp = record["fsdp"]
     assert [r["pattern"] for r in fsdp["rows"]] == ["native", "a", "b", "c"]
     assert all(r["bytes_rank0"].get("all_reduce", 0) > 0 for r in fsdp["rows"] if r["pattern"] != "native")
+    model = record["model"]  # the GPT-2 step's contenders: each timed, or skipped with why (triton without Triton)
+    timed = {r["contender"]: r for r in model["results"]}
+    skipped = {s["contender"]: s["reason"] for s in model["skipped"]}
+    assert {"native", "plain:cpp", "mode_a:cpp", "mode_b:cpp", "fb_only"} <= set(timed), (timed, skipped)
+    modes = {f"{mode}:{backend}" for mode in ("plain", "mode_a", "mode_b") for backend in ("cpp", "triton")}
+    assert set(timed) | set(skipped) == {"native", "fb_only"} | modes
+    assert all(r["check"] is None for r in timed.values()), timed
+    assert timed["plain:cpp"]["resolved_backend"] == "cpp" and timed["plain:cpp"]["optimizer_side_ms"] is not None
+    assert model["config"]["autocast"] == "bf16" and model["config"]["tie"]
     parity = record["parity"]  # the reference backend on torch's gradients: torch.optim's update bit for bit
     torch_row = next(r for r in parity["rows"] if r["backend"] == "torch")
     assert all(w["ours_vs_single_tensor"] == 0.0 for w in torch_row["windows"])
@@ -76,8 +86,9 @@ def test_dry_run(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "**Result: all stages passed**" in summary
     for section in ("## Tests", "## compute-sanitizer", "## Window benchmark", "## Training benchmark",
-                    "## FSDP2 benchmark"):
+                    "## Model step", "## FSDP2 benchmark"):
         assert section in summary
+    assert "| plain:cpp | cpp |" in summary and "| fb_only | - |" in summary  # the model step's table
     assert "dry run: compute-sanitizer memcheck skipped" in summary
 
 
