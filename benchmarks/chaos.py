@@ -328,7 +328,7 @@ class Job:
         self.opt = accum_fused.AdamW(self.model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=1.0,
                                      backend=self.args.backend, in_backward=mode_b, accumulation_steps=K,
                                      **({"process_group": self.dist.group.WORLD} if self.world > 1 else {}))
-        self.opt.recovery.grow_back_after = 2  # (parts grow back: later faults have something to split)
+        self.opt.recovery.grow_back_after = 1  # (parts grow back: later faults have something to split)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda update: 1 / (1 + 0.05 * update))
         if CONFIGS[self.args.config]["model"] == "mlp_bn":
             window_batchnorm(self.model, self.opt)
