@@ -280,7 +280,7 @@ class Job:
             newest = self.checkpoint_path(self.pos["ticks"])
             data = bytearray(newest.read_bytes())
             rng = random.Random(fault["id"])
-            if rng.random() < 0.5:
+            if fault["damage"] == "truncate":
                 data = data[: rng.randrange(len(data))]
                 how = f"truncated to {len(data)} bytes"
             else:
@@ -382,10 +382,11 @@ def allocate_beyond_the_limit():
 
 
 # ------------------------------------------------------------------------------ the plan
-def make_plan(config: str, seed: int, ranks: int, windows: int, fatal: int, recoverable_rate: float) -> dict:
+def make_plan(config: str, seed: int, ranks: int, windows: int, fatal, recoverable_rate: float) -> dict:
     """The round's faults, from its seed. Recoverable faults by micro-batch index on each rank
     (a window's micro-batches are K consecutive indices; a replayed window has the same ones);
-    fatal faults by tick (micro-batches run, replays included), each fired once."""
+    fatal faults by tick (micro-batches run, replays included), each fired once: ``fatal`` of
+    them at random, or, given a list of phases, those, spread over the run in that order."""
     rng = random.Random(f"{config}/{seed}/{ranks}")
     cfg = CONFIGS[config]
     kinds = (["oom_forward", "oom_backward", "oom_allocator"] if cfg["oom"] else []) + (["nonfinite"] if cfg["scaler"] else [])
@@ -401,8 +402,12 @@ def make_plan(config: str, seed: int, ranks: int, windows: int, fatal: int, reco
                 mine[str(index)] = {"kind": kind, "times": rng.choice((1, 1, 2)), "layer": rng.randrange(2)}
     ticks = windows * K
     phases = [p for p in KILL_PHASES if cfg["oom"] or p != "retry"]
-    fatal_faults = [{"id": f"{seed}-{i}", "rank": rng.randrange(ranks), "phase": rng.choice(phases),
-                     "tick": rng.randrange(1, ticks)} for i in range(fatal)]
+    if isinstance(fatal, int):
+        chosen = [(rng.choice(phases), rng.randrange(1, ticks)) for _ in range(fatal)]
+    else:
+        chosen = [(phase, (i + 1) * ticks // (len(fatal) + 1)) for i, phase in enumerate(fatal)]
+    fatal_faults = [{"id": f"{seed}-{i}", "rank": rng.randrange(ranks), "phase": phase, "tick": tick,
+                     "damage": rng.choice(("truncate", "invert"))} for i, (phase, tick) in enumerate(chosen)]
     return {"seed": seed, "recoverable": recoverable, "fatal": fatal_faults}
 
 
@@ -488,7 +493,8 @@ def run_round(config, backend, ranks, seed, windows, fatal, recoverable_rate, wo
     recoverable_only = dict(plan, fatal=[])
     clean = dict(plan, recoverable={}, fatal=[])
     name = f"{config}-{backend}-{ranks}r-s{seed}"
-    chaos = launch(config, backend, ranks, windows, plan, workdir / name / "chaos", max_restarts=fatal + 2)
+    restarts = fatal if isinstance(fatal, int) else len(fatal)
+    chaos = launch(config, backend, ranks, windows, plan, workdir / name / "chaos", max_restarts=restarts + 2)
     oracle = launch(config, backend, ranks, windows, recoverable_only, workdir / name / "recoverable", 0)
     reference = launch(config, backend, ranks, windows, clean, workdir / name / "clean", 0)
     # A damaged checkpoint is one fault (the file, then the kill that makes the job load it).
@@ -539,7 +545,10 @@ def _commit() -> str | None:
 def soak(args) -> dict:
     rounds, rng = [], random.Random(args.seed)
     if args.small:  # the CI slice: every configuration's kind of fault, 1 and 2 ranks, in ~1 minute
-        schedule = [("gpt_mode_b", "auto", 1, 6, 3), ("mlp_scaler", "auto", 2, 5, 2), ("mlp_bn", "torch", 1, 4, 2)]
+        # (the fatal faults named: each kind is met, whatever the seed)
+        schedule = [("gpt_mode_b", "auto", 1, 6, ["backward", "corrupt", "closing"]),
+                    ("mlp_scaler", "auto", 2, 5, ["forward", "save", "after_update"]),
+                    ("mlp_bn", "torch", 1, 4, ["forward", "corrupt"])]
     else:
         combos = [(c, b, r) for c in CONFIGS for b in ("auto", "torch") for r in (1, 2)]
         rng.shuffle(combos)
