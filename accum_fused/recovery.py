@@ -211,11 +211,14 @@ class _Part:
     """A part of a micro-batch and its sample count (None: not countable). ``shareable``: the
     sizes of the parts it was split with add up to the micro-batch's, so a ``weight=`` given for
     the micro-batch is shared among them by their sizes (a user's ``split`` may return parts
-    that hold no countable tensor, or count something else)."""
-    __slots__ = ("batch", "size", "shareable")
+    that hold no countable tensor, or count something else). ``done``: in_backward, the
+    parameters whose gradient of this part is in the window already (a failed pass of the part
+    it was split from added them whole); its pass skips them, and no other part does."""
+    __slots__ = ("batch", "size", "shareable", "done")
 
     def __init__(self, batch, size: int | None, shareable: bool = True):
         self.batch, self.size, self.shareable = batch, size, shareable
+        self.done: frozenset = frozenset()
 
     def share(self, total: int | None) -> float:
         """The part's share of the micro-batch's samples (1 for the micro-batch whole)."""
@@ -316,6 +319,8 @@ def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: 
                 failed = parts[0]
                 smaller = [] if _one_sample([failed]) else _split(failed.batch, failed.size, 2, split)
                 more = len(smaller) > 1
+                for part in smaller:  # (what the failed pass added whole, theirs to skip; not the parts after)
+                    part.done = frozenset(win.complete)
                 parts = smaller + parts[1:]
             else:  # plain mode: the whole micro-batch again, in twice as many parts
                 smaller = [] if _one_sample(parts) else _split(batch, total, 2 * len(parts), split)
@@ -421,6 +426,8 @@ def _run_in_backward(opt, parts: list[_Part], loss_fn, weight, total, progress: 
     try:
         while parts:
             part = parts[0]
+            win.complete.clear()  # (the skipped parameters are the part's own: Window.complete)
+            win.complete.update(part.done)
             tell_transaction(opt, "transaction_begins")
             win.part_serial += 1
             loss, w = _call(loss_fn, part, weight, total, summed=mode_a)

@@ -106,9 +106,10 @@ class Window:
         self.adopted: set[Tensor] = set()
         # Out-of-memory recovery (recovery.py): a micro-batch run as parts counts once. While
         # ``parts_left`` > 0 the part being added is not the micro-batch's last: it neither counts
-        # nor closes the window. ``complete``: parameters whose gradient of the current
-        # micro-batch is already in (a failed in-backward pass added it whole), which its
-        # remaining parts' hooks drop. ``transaction``: a run() pass is running, whose failure
+        # nor closes the window. ``complete``: parameters whose gradient of the part being run
+        # is already in (a failed in-backward pass of the part it was split from added it
+        # whole), which its hooks drop; recovery.py sets it per part (_Part.done): the parts
+        # after it take their gradients whole. ``transaction``: a run() pass is running, whose failure
         # must leave nothing half-applied (no update inside its hooks, no collective in it).
         self.parts_left = 0
         self.complete: set[Tensor] = set()

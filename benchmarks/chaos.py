@@ -33,8 +33,9 @@ Oracles, each a separate run of the same seed: ``recoverable`` has the recoverab
 (no kill, no damaged file): the fatal faults must change nothing, bit for bit (parameters,
 BatchNorm buffers, optimizer state, GradScaler, update_count, the scheduler's step). ``clean``
 has no fault at all: equal bit for bit where no micro-batch was split; where one was, the split
-sums the gradient in another order, documented as fp32 rounding, and the maximum difference is
-reported.
+sums the gradient in another order, documented as fp32 rounding, and the difference is reported
+(max |dp| and ||p - p_clean|| / ||p_clean - p_0||) beside the rounding floor: the same distance
+for a fault-free run whose every micro-batch ran in two parts.
 
   python benchmarks/chaos.py soak --faults 1000 --json benchmarks/results/chaos_soak_<date>.json
   python benchmarks/chaos.py soak --small                       # the CI slice (tests/test_chaos.py)
@@ -329,6 +330,8 @@ class Job:
                                      backend=self.args.backend, in_backward=mode_b, accumulation_steps=K,
                                      **({"process_group": self.dist.group.WORLD} if self.world > 1 else {}))
         self.opt.recovery.grow_back_after = 1  # (parts grow back: later faults have something to split)
+        if self.plan.get("split_in_two"):  # the rounding floor's run: every micro-batch in two parts, no fault
+            self.opt.recovery.max_part_size, self.opt.recovery.grow_back_after = None, None
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda update: 1 / (1 + 0.05 * update))
         if CONFIGS[self.args.config]["model"] == "mlp_bn":
             window_batchnorm(self.model, self.opt)
@@ -341,6 +344,8 @@ class Job:
             self.retries_before = self.opt.recovery.retries
             self.closing = self.opt.micro_step == K - 1
             batch = micro_batch(self.args.config, self.plan["seed"], self.rank, self.pos["micro"])
+            if self.plan.get("split_in_two"):
+                self.opt.recovery.max_part_size = (len(batch[0]) + 1) // 2
             self.opt.run(batch, self.loss_fn, scaler=self.scaler)
             self.pos["micro"] += 1
             self.pos["ticks"] += 1
@@ -492,11 +497,15 @@ def run_round(config, backend, ranks, seed, windows, fatal, recoverable_rate, wo
     plan = make_plan(config, seed, ranks, windows, fatal, recoverable_rate)
     recoverable_only = dict(plan, fatal=[])
     clean = dict(plan, recoverable={}, fatal=[])
+    split_in_two = dict(clean, split_in_two=True)
     name = f"{config}-{backend}-{ranks}r-s{seed}"
     restarts = fatal if isinstance(fatal, int) else len(fatal)
     chaos = launch(config, backend, ranks, windows, plan, workdir / name / "chaos", max_restarts=restarts + 2)
     oracle = launch(config, backend, ranks, windows, recoverable_only, workdir / name / "recoverable", 0)
     reference = launch(config, backend, ranks, windows, clean, workdir / name / "clean", 0)
+    # The rounding floor: how far a fault-free run whose micro-batches all ran in two parts ends
+    # from the clean run (a split is exact up to the order of a sum; this is what that order costs).
+    floor = launch(config, backend, ranks, windows, split_in_two, workdir / name / "split_in_two", 0)
     # A damaged checkpoint is one fault (the file, then the kill that makes the job load it).
     counts = collections.Counter(
         f"{e['kind']}/{e['phase'].split()[0] if e['kind'] == 'corrupt' else e['phase']}"
@@ -510,6 +519,7 @@ def run_round(config, backend, ranks, seed, windows, fatal, recoverable_rate, wo
     against_clean = [compare(f, c, ignore=("/scaler", "/recovery", "/retries")) for f, c in zip(chaos["finals"], reference["finals"])]
     initial = [(n, p.detach().clone()) for n, p in build_model(config).named_parameters()]
     relative = max(relative_distance(f, c, initial) for f, c in zip(chaos["finals"], reference["finals"]))
+    rounding_floor = max(relative_distance(f, c, initial) for f, c in zip(floor["finals"], reference["finals"]))
     ranks_identical = all(not compare(chaos["finals"][0]["model"], f["model"])["differ"] for f in chaos["finals"][1:])
     result = {
         "round": name, "config": config, "backend": backend, "ranks": ranks, "seed": seed, "windows": windows,
@@ -523,9 +533,10 @@ def run_round(config, backend, ranks, seed, windows, fatal, recoverable_rate, wo
         "equal_to_clean_run": all(not c["differ"] for c in against_clean),
         "max_abs_diff_clean_run": max(c["max_abs_diff"] for c in against_clean),
         "relative_distance_clean_run": relative,
+        "relative_distance_split_in_two": rounding_floor,
         "clean_run_split": splits > 0,
         "ranks_identical": ranks_identical,
-        "seconds": round(chaos["seconds"] + oracle["seconds"] + reference["seconds"], 1),
+        "seconds": round(chaos["seconds"] + oracle["seconds"] + reference["seconds"] + floor["seconds"], 1),
     }
     # Survived: the run finished every window, equals its oracle bit for bit, and equals the clean
     # run bit for bit where nothing was split (else within fp32 rounding of it).
@@ -563,7 +574,8 @@ def soak(args) -> dict:
             rounds.append(result)
             clean = "=" if result["equal_to_clean_run"] else f"{result['max_abs_diff_clean_run']:.2e}"
             print(f"{result['round']:<28} faults {result['faults_injected']:>4}  restarts {result['restarts']:>2}  "
-                  f"oracle {'=' if result['equal_to_recoverable_oracle'] else 'DIFFERS'}  clean {clean}  "
+                  f"oracle {'=' if result['equal_to_recoverable_oracle'] else 'DIFFERS'}  clean {clean} "
+                  f"(rel {result['relative_distance_clean_run']:.1e}, split-in-two {result['relative_distance_split_in_two']:.1e})  "
                   f"{'survived' if result['survived'] else 'FAILED'}  {result['seconds']:.0f} s", flush=True)
             i += 1
             total = sum(r["faults_injected"] for r in rounds)
@@ -589,6 +601,7 @@ def soak(args) -> dict:
         "max_abs_diff_recoverable_oracle": max(r["max_abs_diff_recoverable_oracle"] for r in rounds),
         "max_abs_diff_clean_run": max(r["max_abs_diff_clean_run"] for r in rounds),
         "max_relative_distance_clean_run": max(r["relative_distance_clean_run"] for r in rounds),
+        "max_relative_distance_split_in_two": max(r["relative_distance_split_in_two"] for r in rounds),
         "max_abs_diff_clean_run_unsplit": max((r["max_abs_diff_clean_run"] for r in rounds if not r["clean_run_split"]),
                                               default=0.0),
         "seconds": round(time.perf_counter() - started, 1),

@@ -136,6 +136,27 @@ def test_non_finite_micro_batch_skips_window(backend, name, hyper, position, val
 
 
 @pytest.mark.parametrize("name,hyper", CONFIGS)
+def test_a_skipped_window_run_again_is_the_window_the_skip_dropped(backend, name, hyper):
+    """The checkpoint guide's claim (issue 45): under a GradScaler, a window skipped for a
+    non-finite micro-batch and then run again (its micro-batches unpoisoned) ends bit for bit as
+    the run in which nothing was skipped; the halved scale is a power of two and changes no
+    unscaled gradient."""
+    k = 4
+    batches = make_batches([3] * (3 * k))
+    w1, w2, w3 = windows(batches, k)
+    opt, model = _make(name, hyper, backend, k)
+    scaler = _scaler(init_scale=2.0**10)
+    train_scaled(opt, model, w1, scaler)
+    train_scaled(opt, model, w2, scaler, poison={1: float("inf")})
+    assert opt.update_count == 1 and scaler.get_scale() == 2.0**9
+    train_scaled(opt, model, w2 + w3, scaler)  # the skipped window again, then the next
+    clean_opt, clean_model = _make(name, hyper, backend, k)
+    train_scaled(clean_opt, clean_model, w1 + w2 + w3, _scaler(init_scale=2.0**10))
+    assert opt.update_count == clean_opt.update_count == 3
+    assert_params_equal(model, clean_model)
+
+
+@pytest.mark.parametrize("name,hyper", CONFIGS)
 def test_flush_of_poisoned_partial_window_returns_false(backend, name, hyper):
     k = 4
     batches = make_batches([3] * (2 * k + 2))
