@@ -230,25 +230,18 @@ class Job:
 
     def loss_fn(self, batch):
         self.in_forward(len(batch[0]))
-        if self.args.config.startswith("gpt"):
-            ids, targets, mask = batch
-            h = ids
-            for i, layer in enumerate(self.model.layers()):
-                h = layer(h)
-                if i < 3:
-                    h = FaultPoint.apply(h, self, i)
+        h, layers = batch[0], self.model.layers()
+        for i, layer in enumerate(layers):
+            h = layer(h)
+            if i < len(layers) - 1:  # (a fault point between every two layers)
+                h = FaultPoint.apply(h, self, i)
+        if self.args.config.startswith("gpt"):  # the mean over the real tokens, weighted by their count
+            _, targets, mask = batch
             losses = F.cross_entropy(h.flatten(0, 1), targets.flatten(), reduction="none")
-            tokens = int(mask.sum())
-            loss = (losses * mask.flatten()).sum() / tokens
-            weight = tokens
+            weight = int(mask.sum())
+            loss = (losses * mask.flatten()).sum() / weight
         else:
-            x, y = batch
-            h = x
-            for i, layer in enumerate(self.model.layers()):
-                h = layer(h)
-                if i < 2:
-                    h = FaultPoint.apply(h, self, i)
-            loss, weight = F.mse_loss(h, y), len(x)
+            loss, weight = F.mse_loss(h, batch[1]), len(h)
         planned = self.recoverable.get(self.pos["micro"])
         if planned and planned["kind"] == "nonfinite" and self.pos["window_attempt"] == 0:
             if not self.poisoned:  # (one fault per micro-batch, however many parts it runs in)
