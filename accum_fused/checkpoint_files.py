@@ -7,7 +7,7 @@ Why: ``torch.save`` writes in place, so a process killed while saving leaves a t
 where the last good checkpoint was; and ``torch.load`` checks no checksum, so a flipped byte in a
 tensor's data loads silently as a different number (measured with torch 2.13: a 4 KB checkpoint
 with one byte inverted loads, and the tensor differs). A restart from such a file does not
-resume the run, it starts another. Both were found by the chaos soak (benchmarks/chaos.py).
+resume the run, it starts another. The chaos soak (benchmarks/chaos.py) injects both.
 
 The file: 8 bytes of magic, the SHA-256 of the payload (32 bytes), the payload's length (8 bytes,
 little-endian), then the payload: ``torch.save``'s bytes. It is written to a temporary file in the
