@@ -203,11 +203,11 @@ class FastPath:
             if python_hooks is None:
                 python_hooks = p._post_accumulate_grad_hooks = OrderedDict()
             if self._extension.install_hook(p, self.state, slot, python_hook, python_hooks):
-                # And one before autograd's AccumulateGrad, which takes the gradient before it
-                # becomes .grad where nothing else would see the difference (hooks.cpp's
-                # TakeBeforeAccumulate): what the pass's other gradients mostly go through.
-                accumulator = self._extension.hook_before_accumulate(p, self.state, slot)
-                return _ExtensionHookHandle(p, self._extension.remove_hook, accumulator)
+                # (At its first gradient of each window, that hook puts one before autograd's
+                # AccumulateGrad, which takes the gradient before it becomes .grad where nothing
+                # else would see the difference (hooks.cpp's TakeBeforeAccumulate): what the
+                # pass's other gradients mostly go through.)
+                return _ExtensionHookHandle(p, self._extension.remove_hook)
         handle = _DictHookHandle(p, self._extension.FastHook(self.state, slot, python_hook))
         self.dict_handles.append(handle)
         return handle
@@ -495,20 +495,17 @@ def _fold_spec(hyper: dict, count: int | None) -> dict:
 class _ExtensionHookHandle:
     """``remove()`` of a hook the extension put in a parameter's slot (FastPath.hook), as a
     RemovableHandle's: torch's Python hooks go back in the slot, the hook before its gradient
-    accumulator comes off. (The extension reports the hook dropped otherwise:
-    ``HookState.take_dropped``.) Holds the accumulator node, which the parameter holds only
-    weakly: a new node would not have the hook."""
+    accumulator comes off and the extension lets go of the node. (The extension reports the hook
+    dropped otherwise: ``HookState.take_dropped``.)"""
 
-    def __init__(self, p: Tensor, remove_hook: Callable[[Tensor], bool], accumulator) -> None:
+    def __init__(self, p: Tensor, remove_hook: Callable[[Tensor], bool]) -> None:
         self.param = weakref.ref(p)
         self._remove_hook = remove_hook
-        self._accumulator = accumulator
 
     def remove(self) -> None:
         p = self.param()
         if p is not None:
             self._remove_hook(p)
-        self._accumulator = None
 
 
 class _DictHookHandle:

@@ -26,7 +26,8 @@
 //     forget()   let go of those lists' buffers
 //     new_window()  the window ended: the lists become the last window-start arm's (`arm`'s
 //                window_start), less the buffers adopted since (the window lets go of them), for
-//                `rearm_start`; adopted gradients are let go of
+//                `rearm_start`; adopted gradients are let go of, and the accumulator nodes kept
+//                for TakeBeforeAccumulate
 //     rearm_start(...) -> bool  rearm with those, once per new_window
 //     python_wrote(slot, buffer, adopted) -> bool  in_backward.py wrote the slot's gradient of this
 //                pass into `buffer` itself (accum_fused.nn's fused Linear: the GEMM's output): the
@@ -55,11 +56,10 @@
 //                slot), since the last call; in_backward.py hooks them again
 //   install_hook(param, state, slot, fallback, python_hooks_dict)  the hook, in the parameter's
 //              post-accumulate-grad slot (ExtensionHook); remove_hook(param) takes it out, and
-//              the one below
-//   hook_before_accumulate(param, state, slot) -> the node to keep  a pre-hook on the
-//              parameter's AccumulateGrad node (TakeBeforeAccumulate) that takes what the slot
-//              would, before autograd makes the gradient .grad, where nothing else can tell
-//              (most gradients of a pass); ExtensionHook takes the rest
+//              the one below. At the slot's first gradient of a window, ExtensionHook puts a
+//              pre-hook on the parameter's AccumulateGrad node (TakeBeforeAccumulate) that takes
+//              what the slot would, before autograd makes the gradient .grad, where nothing else
+//              can tell (most gradients of a pass); ExtensionHook takes the rest
 //   FastHook(state, slot, fallback)  the same hook registered through Python, where the slot
 //              already held Python hooks
 #include <torch/extension.h>
@@ -93,6 +93,10 @@ constexpr const char* kCompiledAutogradMessage =
     "trace: run this backward with torch._dynamo.config.compiled_autograd = False, or use in_backward=False";
 
 enum Mode : int64_t { kNone = 0, kAdd = 1, kOverwrite = 2, kAdopt = 3, kFold = 4 };
+
+// A parameter's gradient accumulator node (a std::shared_ptr before torch 2.13, a
+// c10::intrusive_ptr since).
+using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const Tensor&>()));
 
 // The update of one parameter group at one step count: the arguments cpp_backend.py computes
 // for bindings.cpp's sgd_update / adam_update, read once per pass.
@@ -145,6 +149,9 @@ struct Slot {
   int64_t start_mode = kNone;
   Tensor start_buffer;
   bool adopted_in_window = false;
+  // The parameter's AccumulateGrad node with this slot's TakeBeforeAccumulate, kept from the
+  // slot's first gradient in a window (ExtensionHook) to the window's end (new_window).
+  NodePtr accumulator;
 
   void disarm() {
     mode = kNone;
@@ -171,7 +178,7 @@ bool is_float(const Tensor& t) {
   return d == at::kFloat || d == at::kBFloat16 || d == at::kHalf;
 }
 
-struct HookState {
+struct HookState : std::enable_shared_from_this<HookState> {
   // Taken by every method: the extension's hooks run without the GIL (ExtensionHook), on the
   // autograd thread of their parameter's device, while Python may arm or drain from another.
   // Recursive: arm and rearm call disarm and forget.
@@ -269,6 +276,7 @@ struct HookState {
   }
 
   void new_window() {
+    std::vector<NodePtr> kept;  // (declared before the lock: the nodes go after it is let go)
     const Lock lock(mu);
     forget();
     for (int64_t i : start_slots) {
@@ -276,7 +284,10 @@ struct HookState {
       s.next_mode = s.start_mode;
       s.next_buffer = s.adopted_in_window ? Tensor() : s.start_buffer;
     }
-    for (Slot& s : slots) s.adopted_in_window = false;
+    for (Slot& s : slots) {
+      s.adopted_in_window = false;
+      if (s.accumulator) kept.push_back(std::move(s.accumulator));
+    }
     last_slots = start_slots;
     start_ready = !start_slots.empty();
   }
@@ -405,9 +416,13 @@ struct HookState {
 
   // Does what `param`'s slot was armed for with the gradient autograd left in its .grad (the
   // post-accumulate-grad slot's hook), when it fits, and sets .grad to None; false leaves
-  // everything as it was, for the Python hook.
-  bool take(int64_t slot_id, const Tensor& param) {
+  // everything as it was, for the Python hook. `before_accumulate`: the slot's hook is
+  // ExtensionHook, and its first gradient of a window puts TakeBeforeAccumulate on the node.
+  bool take(int64_t slot_id, const Tensor& param, bool before_accumulate = false) {
     const Lock lock(mu);
+    if (before_accumulate && slot_id < static_cast<int64_t>(slots.size()) && !slots[slot_id].accumulator) {
+      keep_accumulator(slot_id, param);
+    }
     Tensor& grad_slot = param.mutable_grad();
     if (!grad_slot.defined()) return false;
     const Tensor grad = grad_slot;  // keeps the gradient alive through the kernel
@@ -433,6 +448,19 @@ struct HookState {
     const Lock lock(mu);
     return slot_id < static_cast<int64_t>(slots.size()) && slots[slot_id].seen_task >= 0 &&
            slots[slot_id].seen_task == torch::autograd::get_current_graph_task_id();
+  }
+
+  // Under the lock: this slot's TakeBeforeAccumulate, the last pre-hook of `param`'s current
+  // AccumulateGrad node (put there unless it is already), and the node kept until the window
+  // ends. Defined after TakeBeforeAccumulate.
+  void keep_accumulator(int64_t slot_id, const Tensor& param);
+
+  // The slot's kept node, no longer kept (its hook left the parameter), for the caller to let go
+  // of outside the lock.
+  NodePtr let_go(int64_t slot_id) {
+    const Lock lock(mu);
+    if (slot_id < 0 || slot_id >= static_cast<int64_t>(slots.size())) return NodePtr();
+    return std::move(slots[slot_id].accumulator);
   }
 
   bool take_grad(int64_t slot_id, const Tensor& param, const Tensor& grad, bool before_accumulate) {
@@ -604,7 +632,11 @@ struct ExtensionHook : torch::autograd::PostAccumulateGradHook {
         python_hooks(std::move(hooks)) {}
 
   ~ExtensionHook() override {
-    if (!removed) state->note_dropped(slot);
+    NodePtr kept;  // (dropped: the node and its hook need not wait for the window's end)
+    if (!removed) {
+      state->note_dropped(slot);
+      kept = state->let_go(slot);
+    }
     if (Py_IsInitialized()) {  // (as torch's own Python hooks let go: the last reference may be C++'s)
       py::gil_scoped_acquire gil;
       Py_DECREF(fallback);
@@ -622,7 +654,7 @@ struct ExtensionHook : torch::autograd::PostAccumulateGradHook {
   void operator()(const torch::autograd::Variable& param) override {
     // (.grad set: autograd accumulated, the common case of the slot path, without a second lock)
     if (!param.grad().defined() && state->took_before_accumulate(slot)) return;
-    if (!state->take(slot, param)) {
+    if (!state->take(slot, param, /*before_accumulate=*/true)) {
       py::gil_scoped_acquire gil;
       THPObjectPtr arg(THPVariable_Wrap(param));  // (the very Parameter object)
       if (!arg) throw python_error();
@@ -636,19 +668,17 @@ struct ExtensionHook : torch::autograd::PostAccumulateGradHook {
   }
 };
 
-// The hook before AccumulateGrad: a pre-hook of the parameter's gradient accumulator node, which
-// Python keeps alive for it (KeptAccumulator; the parameter holds its node only weakly, and
-// autograd makes a new one, without this hook, once no graph holds the old). It takes the
-// gradient autograd is about to hand the node, which then gets none: autograd does not steal it
-// into .grad (a detach, a new TensorImpl per gradient) for ExtensionHook to take and set to None
-// again (autograd still calls the slot, and ExtensionHook returns at once). That was ~1 us a
-// gradient on this VM, what made a pass dearer than autograd's own in-place `.grad +=`
-// (benchmarks/bench_hook_cost.py; benchmarks/results/host_overhead_20261127b). It takes only
-// where nothing else could tell the difference: this slot's ExtensionHook still in the
-// parameter's slot with no Python hooks behind it, no post-hooks on the node (DDP's reducer, a
-// user's), and this hook the node's last pre-hook (so it runs after every other hook that may
-// change the gradient). Everything else, and whatever take_before_accumulate declines, goes on
-// to AccumulateGrad and ExtensionHook as before.
+// The hook before AccumulateGrad: a pre-hook of the parameter's gradient accumulator node (its
+// life: HookState::keep_accumulator). It takes the gradient autograd is about to hand the node,
+// which then gets none: autograd does not steal it into .grad (a detach, a new TensorImpl per
+// gradient) for ExtensionHook to take and set to None again (autograd still calls the slot, and
+// ExtensionHook returns at once). That was ~1 us a gradient on this VM, what made a pass dearer
+// than autograd's own in-place `.grad +=` (benchmarks/bench_hook_cost.py;
+// benchmarks/results/host_overhead_20261127b). It takes only where nothing else could tell the
+// difference: this slot's ExtensionHook still in the parameter's slot with no Python hooks behind
+// it, no post-hooks on the node (DDP's reducer, a user's), and this hook the node's last pre-hook
+// (so it runs after every other hook that may change the gradient). Everything else, and whatever
+// take_before_accumulate declines, goes on to AccumulateGrad and ExtensionHook as before.
 struct TakeBeforeAccumulate : torch::autograd::FunctionPreHook {
   std::shared_ptr<HookState> state;
   int64_t slot;
@@ -676,12 +706,6 @@ struct TakeBeforeAccumulate : torch::autograd::FunctionPreHook {
   }
 };
 
-// Held by Python (_ExtensionHookHandle): the gradient accumulator node TakeBeforeAccumulate is on.
-struct KeptAccumulator {
-  // (a std::shared_ptr before torch 2.13, a c10::intrusive_ptr since)
-  decltype(torch::autograd::impl::grad_accumulator(std::declval<const Tensor&>())) node;
-};
-
 bool is_take_before(const std::unique_ptr<torch::autograd::FunctionPreHook>& hook) {
   return dynamic_cast<TakeBeforeAccumulate*>(hook.get()) != nullptr;
 }
@@ -691,8 +715,8 @@ void erase_take_before(torch::autograd::Node& node) {
   hooks.erase(std::remove_if(hooks.begin(), hooks.end(), is_take_before), hooks.end());
 }
 
-// How many TakeBeforeAccumulate hooks `param`'s accumulator node holds (tests: one while hooked,
-// none after remove_hook).
+// How many TakeBeforeAccumulate hooks `param`'s accumulator node holds, 0 without a node (tests:
+// one from the parameter's first gradient of a window, none after remove_hook).
 int64_t count_take_before(const Tensor& param) {
   auto node = torch::autograd::impl::try_get_grad_accumulator(param);
   if (!node) return 0;
@@ -700,17 +724,38 @@ int64_t count_take_before(const Tensor& param) {
   return std::count_if(hooks.begin(), hooks.end(), is_take_before);
 }
 
-// A TakeBeforeAccumulate for `param`, whose slot holds this slot's ExtensionHook (install_hook),
-// replacing one left from an earlier install (a hook dropped and installed again); the node to
-// keep, or None where the parameter has no accumulator node (it does not require grad).
-std::optional<KeptAccumulator> hook_before_accumulate(const Tensor& param, std::shared_ptr<HookState> state,
-                                                      int64_t slot) {
+// The node's life. The parameter holds its accumulator node only weakly: autograd makes a new
+// one, without this hook, once no graph holds the old. So it is kept, but only within a window:
+// torch gives a parameter a new node when `.data =` changes its dtype or device, not its shape,
+// and a node kept across windows met the next forward with the old shape, where autograd refused
+// the gradient of a parameter resized between windows with its own error, before any hook could
+// give the spec's (issue 44 row 5; none is kept before the first gradient either, so a parameter
+// resized after construction trains as with the spec). new_window lets go of the nodes, and each
+// slot's first gradient of the next window comes here through AccumulateGrad and ExtensionHook:
+// one slower gradient per parameter per window, not per pass, and mostly one TakeBeforeAccumulate
+// declines anyway (a window's first, adopted). Measured on this VM (bench_hook_cost.py, 5,000
+// tensors of 64, --window 4): ~0.5 us more per parameter in a window's first pass (the node made
+// again, this hook put on it; for bf16 autograd's steal too) and about as much at its end (the
+// node freed), what autograd's own loop pays on every pass. A graph of the user's that holds the
+// old node still gives it to the next forward, as without accum_fused (torch's refusal is then
+// the spec's too).
+// The hook stays on a node let go of: a window can end inside a backward (mode B's last pass; a
+// failed pass settled at the next one's first gradient), where another device's autograd thread
+// may be running a node's pre-hooks; and on a node that outlives the window it takes only as it
+// does on a kept one. Adding the hook here is safe: ExtensionHook runs inside the node's apply,
+// after the engine ran its pre-hooks (engine.cpp's call_function), on its device's one thread.
+void HookState::keep_accumulator(int64_t slot_id, const Tensor& param) {
   auto node = torch::autograd::impl::grad_accumulator(param);
   auto* accumulator = dynamic_cast<torch::autograd::AccumulateGrad*>(node.get());
-  if (accumulator == nullptr) return std::nullopt;
-  erase_take_before(*accumulator);
-  accumulator->add_pre_hook(std::make_unique<TakeBeforeAccumulate>(std::move(state), slot, accumulator));
-  return KeptAccumulator{std::move(node)};
+  if (accumulator == nullptr) return;  // (the parameter does not require grad)
+  const auto& hooks = accumulator->pre_hooks();
+  const auto* last = hooks.empty() ? nullptr : dynamic_cast<const TakeBeforeAccumulate*>(hooks.back().get());
+  if (last == nullptr || last->state.get() != this || last->slot != slot_id) {
+    // (ours, behind a pre-hook added since: put last again; or one of a hook dropped and installed again)
+    erase_take_before(*accumulator);
+    accumulator->add_pre_hook(std::make_unique<TakeBeforeAccumulate>(shared_from_this(), slot_id, accumulator));
+  }
+  slots[slot_id].accumulator = std::move(node);
 }
 
 // Put an ExtensionHook in `param`'s post-accumulate-grad slot, which holds torch's hooks for
@@ -735,6 +780,8 @@ bool remove_hook(const Tensor& param) {
   auto& current = torch::autograd::impl::post_acc_grad_hooks(param);
   auto* hook = dynamic_cast<ExtensionHook*>(current.get());
   if (hook == nullptr) return false;
+  // (the kept node is another than the parameter's now only after a `.data =` of a new dtype or device)
+  if (auto kept = hook->state->let_go(hook->slot)) erase_take_before(*kept);
   hook->removed = true;
   auto python_hooks = std::move(hook->python_hooks);
   torch::autograd::impl::set_post_acc_grad_hooks(param, std::move(python_hooks));
@@ -768,7 +815,6 @@ void register_hooks(py::module& m) {
                              })
       .def_readonly("taken", &HookState::taken)
       .def_readonly("taken_before_accumulate", &HookState::taken_before_accumulate);
-  py::class_<KeptAccumulator>(m, "KeptAccumulator");
   py::class_<FastHook>(m, "FastHook")
       .def(py::init([](std::shared_ptr<HookState> state, int64_t slot, py::object fallback) {
              return FastHook{std::move(state), slot, std::move(fallback)};
@@ -777,7 +823,6 @@ void register_hooks(py::module& m) {
       .def("__call__", &FastHook::operator(), py::arg("param"));
   m.def("install_hook", &install_hook, py::arg("param"), py::arg("state"), py::arg("slot"), py::arg("fallback"),
         py::arg("python_hooks_dict"));
-  m.def("hook_before_accumulate", &hook_before_accumulate, py::arg("param"), py::arg("state"), py::arg("slot"));
   m.def("remove_hook", &remove_hook, py::arg("param"));
   m.def("count_take_before", &count_take_before, py::arg("param"));
 }

@@ -441,7 +441,6 @@ def test_gradients_are_taken_before_autograd_accumulates_them(mode, clip, device
     model = _model(torch.float32, device=device)
     opt = _optimizer("AdamW", model.parameters(), accumulation_steps=K if mode == "B" else 1, max_grad_norm=clip)
     extension = opt._fast_path._extension
-    assert all(extension.count_take_before(p) == 1 for p in model.parameters())
     state = opt._fast_path.state
     x = torch.randn(5, 7, device=device)
     per_pass = []
@@ -463,8 +462,74 @@ def test_gradients_are_taken_before_autograd_accumulates_them(mode, clip, device
     assert all(extension.count_take_before(p) == 0 for p in model.parameters())
 
 
-@pytest.mark.parametrize("other", ["post-accumulate-hook", "node-post-hook", "node-pre-hook", "tensor-hook",
-                                   "expanded-gradient", "frozen-mid-window"])
+@pytest.mark.parametrize("held", [False, True], ids=["graph-dropped", "graph-held"])
+@pytest.mark.parametrize("mode", ["A", "B"])
+def test_the_accumulator_node_is_kept_within_a_window_only(mode, held):
+    """The extension keeps each parameter's AccumulateGrad node (the hook before it is on it)
+    from the parameter's first gradient of a window to the window's end, not across windows: a
+    node kept across windows met the next forward with the shape it was made for, and a parameter
+    resized between windows got autograd's shape error instead of the spec's (issue 44 row 5).
+    Without a graph that holds it, a window's node is gone once the window ends, and the next
+    window's first gradients put the hook on the new one; with the last pass's graph held (a
+    loop's ``loss = ...`` rebinding keeps it through the next forward) the node lives on, with its
+    one hook, not a second. Either way the other passes' gradients are taken before
+    AccumulateGrad as before, and close() leaves no hook behind."""
+    model = _model(torch.float32)
+    params = list(model.parameters())
+    opt = _optimizer("AdamW", params, accumulation_steps=K if mode == "B" else 1)
+    extension, state = opt._fast_path._extension, opt._fast_path.state
+    assert all(extension.count_take_before(p) == 0 for p in params)  # (no node is made or kept before a gradient)
+    x = torch.randn(5, 7)
+    last = None
+    per_pass, hooks = [], []
+    for i in range(3 * K):
+        before = state.taken_before_accumulate
+        loss = model(x * (i + 1)).square().mean()
+        _micro_batch(opt, loss, mode, i)
+        last = loss if held else None
+        del loss
+        per_pass.append(state.taken_before_accumulate - before)
+        hooks.append({extension.count_take_before(p) for p in params})
+    assert per_pass == [0 if i % K == 0 or (mode == "B" and i == K - 1) else 5 for i in range(3 * K)]
+    # (a window's last pass ends it: its node is let go of, and is gone unless the graph holds it)
+    assert hooks == [{1} if held or (i + 1) % K else {0} for i in range(3 * K)]
+    opt.close()
+    assert all(extension.count_take_before(p) == 0 for p in params)
+    del last
+
+
+@pytest.mark.parametrize("how", ["collected", "closed", "hooks-replaced"])
+@pytest.mark.parametrize("mode", ["A", "B"])
+def test_the_kept_nodes_keep_nothing_alive_after_the_optimizer(mode, how):
+    """A kept node holds its parameter, and the hook on it the extension's state, which keeps the
+    node: an optimizer collected or closed in the middle of a window lets go of its nodes, and the
+    parameters go with their model. Also where the extension's hooks were replaced (a dict of
+    Python hooks set on the parameters: they are hooked again among those, with no hook before
+    AccumulateGrad) before the window ended."""
+    import gc
+    import weakref
+    model = _model(torch.float32)
+    opt = _optimizer("AdamW", model.parameters(), accumulation_steps=K if mode == "B" else 1)
+    params = [weakref.ref(p) for p in model.parameters()]
+    x = torch.randn(5, 7)
+    _micro_batch(opt, model(x).square().mean(), mode, 0)  # (the window stays open)
+    if how == "closed":
+        opt.close()
+    elif how == "hooks-replaced":  # (the first layer's: the pass's end, with the others', hooks them again)
+        for p in model[0].parameters():
+            p._post_accumulate_grad_hooks = None
+            p.register_post_accumulate_grad_hook(lambda p: None)
+        del p
+        with pytest.warns(UserWarning, match="were replaced"):
+            _micro_batch(opt, model(x).square().mean(), mode, 1)
+        assert len(opt._fast_path.dict_handles) == 2
+    del opt, model
+    gc.collect()
+    assert [p() for p in params] == [None] * len(params)
+
+
+@pytest.mark.parametrize("other", ["post-accumulate-hook", "node-post-hook", "node-pre-hook", "node-pre-hook-later",
+                                   "tensor-hook", "expanded-gradient", "frozen-mid-window"])
 @pytest.mark.parametrize("mode", ["A", "B"])
 def test_the_hook_before_accumulate_steps_aside(monkeypatch, mode, other):
     """Where taking the gradient before AccumulateGrad would change what something else sees, the
@@ -472,7 +537,9 @@ def test_the_hook_before_accumulate_steps_aside(monkeypatch, mode, other):
     optimizer (on the parameter, or on its accumulator node: DDP's reducer puts one there) still
     run and see what they would, a tensor hook's change is taken, a gradient whose layout differs
     from the buffer's (autograd lays it out) and a parameter frozen during the window are left to
-    autograd. Bit-equal to Python's hooks with the same other hooks."""
+    autograd. A pre-hook on the node runs first: the extension's goes after it, at the node's
+    first gradient of a window (one registered after that: from the next window on). Bit-equal to
+    Python's hooks with the same other hooks."""
     def run(python_only):
         if python_only:
             _python_hooks_only(monkeypatch)
@@ -497,6 +564,9 @@ def test_the_hook_before_accumulate_steps_aside(monkeypatch, mode, other):
                 p.register_hook(lambda g: g * 0.5)
         x = torch.randn(5, 7)
         for i in range(2 * K):
+            if other == "node-pre-hook-later" and i == 1:  # (the extension's hook is on the nodes now)
+                for node in keep:
+                    node.register_prehook(lambda grad_outputs: seen.append(grad_outputs[0] is not None))
             extra = offset.sum() if other == "expanded-gradient" else 0
             loss = (model(x * (i + 1)) + extra).square().mean()
             if other == "frozen-mid-window" and i == K + 1:
@@ -511,8 +581,10 @@ def test_the_hook_before_accumulate_steps_aside(monkeypatch, mode, other):
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)
     assert fast_seen == slow_seen
-    if other in ("post-accumulate-hook", "node-post-hook", "node-pre-hook"):
+    if other in ("post-accumulate-hook", "node-post-hook"):
         assert len(fast_seen) == 2 * K * 6 and taken_before == 0
+    elif other in ("node-pre-hook", "node-pre-hook-later"):
+        assert fast_seen == [True] * ((2 * K if other == "node-pre-hook" else 2 * K - 1) * 6) and taken_before > 0
     else:
         assert taken_before > 0
 

@@ -374,19 +374,23 @@ def test_the_bf16_update_message_is_the_one_the_page_quotes():
         accum_fused.AdamW([nn.Parameter(torch.ones(2))], bf16_update="round")
 
 
-def _resized_between_windows(backend, mode):
+def _resized_between_windows(backend, mode, hold_graph=False):
     """Two windows, then a parameter resized (``.data =``) and the micro-batches of a third:
-    (the call that raised, its type and message, the parameters before it)."""
+    (the call that raised, its type and message, the parameters before it). ``hold_graph``: each
+    micro-batch's loss, and so its graph, lives on through the next one's forward (a loop's
+    ``loss = ...`` rebinding)."""
     model = make_model()
     extra = nn.Parameter(torch.ones(3))
     opt = accum_fused.AdamW([*model.named_parameters(), ("extra", extra)], lr=0.01,
                             accumulation_steps=1 if mode == "A" else 2, in_backward=mode != "plain", backend=backend)
     calls = 0
+    held = []
 
     def micro_batch(batch, closing):
         nonlocal calls
         calls += 1
         loss = loss_of(model, batch) + extra.square().sum()
+        held[:] = [loss] if hold_graph else []
         if mode == "B":
             opt.backward(loss)
             return
@@ -415,16 +419,49 @@ def test_a_shape_changed_between_windows_is_refused_by_every_path_as_the_spec_do
     backend's Python path, with its message, and the failed call updates no parameter."""
     expected = _resized_between_windows("torch", mode)
     calls, kind, message, before, params = _resized_between_windows(backend, mode)
-    if backend == "cpp" and mode != "plain":
-        # Known gap: the extension keeps each parameter's AccumulateGrad node alive for its
-        # pre-hook (hooks.cpp's KeptAccumulator), and torch resets a node on a new dtype or
-        # device but not on a new shape: the next forward's graph uses the stale node, and
-        # autograd refuses the gradient before any hook runs. Refused, nothing changed, but not
-        # with the spec's message.
-        assert kind is RuntimeError and "expected shape compatible with [3]" in message
-        assert all(torch.equal(old, new.detach()) for old, new in zip(before, params))
-        pytest.xfail("in_backward on cpp: autograd's own shape error, not the spec's ValueError")
     assert (calls, kind, message) == expected[:3]
     assert kind is ValueError and "'extra'" in message and "changed shape" in message
     for old, new in zip(before, params):
         assert torch.equal(old, new.detach())
+
+
+@pytest.mark.parametrize("mode", ["plain", "A", "B"])
+def test_a_resize_while_the_last_graph_lives_is_refused_as_torch_refuses_it(backend, mode):
+    """The last micro-batch's graph still alive through the resized parameter's next forward:
+    that forward uses the parameter's old accumulator node (torch gives it a new one on a new
+    dtype or device, not a new shape), and autograd refuses the gradient itself, before any hook,
+    whichever backend or mode: the same refusal as the reference backend's, nothing updated."""
+    expected = _resized_between_windows("torch", mode, hold_graph=True)
+    calls, kind, message, before, params = _resized_between_windows(backend, mode, hold_graph=True)
+    assert (calls, kind, message) == expected[:3]
+    assert kind is RuntimeError and "expected shape compatible with [3]" in message
+    for old, new in zip(before, params):
+        assert torch.equal(old, new.detach())
+
+
+@pytest.mark.parametrize("mode", ["plain", "A", "B"])
+def test_a_resize_before_the_first_backward_trains_as_the_spec_does(backend, mode, tolerances):
+    """A parameter resized after the optimizer was built, before any gradient: nothing of it is
+    held yet (no buffer, no state), and the reference backend trains it at its new shape. So do
+    the others: the extension's hooks kept an accumulator node from construction on, whose old
+    shape made autograd refuse the first gradient (issue 44 row 5)."""
+    def run(backend):
+        model = make_model()
+        extra = nn.Parameter(torch.ones(3))
+        opt = accum_fused.AdamW([*model.parameters(), extra], lr=0.01, accumulation_steps=1 if mode == "A" else 2,
+                                in_backward=mode != "plain", backend=backend)
+        extra.data = torch.ones(5)
+        for i, batch in enumerate(make_batches([2, 3, 2, 3])):
+            loss = loss_of(model, batch) + extra.square().sum()
+            if mode == "B":
+                opt.backward(loss)
+                continue
+            loss.backward()
+            if mode == "plain" or i % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+        assert opt.update_count == 2 and extra.shape == (5,)
+        return [p.detach().clone() for p in [*model.parameters(), extra]]
+    rtol, atol = tolerances[torch.float32]
+    for ours, spec in zip(run(backend), run("torch")):
+        torch.testing.assert_close(ours, spec, rtol=rtol, atol=atol)
