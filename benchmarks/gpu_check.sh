@@ -144,8 +144,10 @@ stage_train() {
 }
 
 # Every contender of the model stage: the native loop, each accum_fused mode on each kernel backend,
-# and forward + backward alone (the floor the optimizer side is measured from).
-MODEL_CONTENDERS=native,plain:cpp,plain:triton,mode_a:cpp,mode_a:triton,mode_b:cpp,mode_b:triton,fb_only
+# and forward + backward alone (the floor the optimizer side is measured from). mode_b:torch too:
+# per gradient the reference backend does what AccumulateGrad does (one add, launched by torch),
+# the measure Triton's one-launch-per-gradient accumulate is to be read against (issue 43 item 2).
+MODEL_CONTENDERS=native,plain:cpp,plain:triton,mode_a:cpp,mode_a:triton,mode_b:cpp,mode_b:triton,mode_b:torch,fb_only
 export MODEL_CONTENDERS
 
 stage_model() {
@@ -279,7 +281,7 @@ if [ "$DRY_RUN" = 1 ]; then
 else
   # Measured on the H100 (2026-11-26/27): env 5 s, build 71-76 s, tests 73 s, bench 38-41 s, train 107 s,
   # fsdp 18-20 s; memcheck's slice did not finish in 80 s (2026-11-27), racecheck's took 20 s.
-  # model: not yet measured on a GPU. Estimate 30-60 s: 8 contenders x 7 windows of 32,768 tokens at
+  # model: not yet measured on a GPU. Estimate 30-60 s: 9 contenders x 7 windows of 32,768 tokens at
   # ~0.2 s (bench_train's GPT-2 windows of 37,888 tokens took 155-265 ms on the H100, 2026-11-27) is
   # ~12 s, plus the first window's setup (native's took 3.1 s there; the tests stage has compiled
   # most of Triton's kernels into its cache), startup and 9 copies of GPT-2 small. Cap 90 s; on the
