@@ -455,6 +455,12 @@ struct HookState : std::enable_shared_from_this<HookState> {
   // ends. Defined after TakeBeforeAccumulate.
   void keep_accumulator(int64_t slot_id, const Tensor& param);
 
+  // How many slots keep their parameter's node now (tests: none between windows).
+  int64_t kept_nodes() {
+    const Lock lock(mu);
+    return std::count_if(slots.begin(), slots.end(), [](const Slot& s) { return static_cast<bool>(s.accumulator); });
+  }
+
   // The slot's kept node, no longer kept (its hook left the parameter), for the caller to let go
   // of outside the lock.
   NodePtr let_go(int64_t slot_id) {
@@ -808,6 +814,7 @@ void register_hooks(py::module& m) {
       .def("python_wrote", &HookState::python_wrote, py::arg("slot"), py::arg("buffer"), py::arg("adopted"))
       .def("drain", &HookState::drain)
       .def("take_dropped", &HookState::take_dropped)
+      .def("kept_nodes", &HookState::kept_nodes)
       .def_property_readonly("armed",
                              [](const HookState& s) {
                                const HookState::Lock lock(s.mu);

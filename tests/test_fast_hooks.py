@@ -481,7 +481,7 @@ def test_the_accumulator_node_is_kept_within_a_window_only(mode, held):
     assert all(extension.count_take_before(p) == 0 for p in params)  # (no node is made or kept before a gradient)
     x = torch.randn(5, 7)
     last = None
-    per_pass, hooks = [], []
+    per_pass, hooks, kept = [], [], []
     for i in range(3 * K):
         before = state.taken_before_accumulate
         loss = model(x * (i + 1)).square().mean()
@@ -489,10 +489,15 @@ def test_the_accumulator_node_is_kept_within_a_window_only(mode, held):
         last = loss if held else None
         del loss
         per_pass.append(state.taken_before_accumulate - before)
+        kept.append(state.kept_nodes())
         hooks.append({extension.count_take_before(p) for p in params})
     assert per_pass == [0 if i % K == 0 or (mode == "B" and i == K - 1) else 5 for i in range(3 * K)]
-    # (a window's last pass ends it: its node is let go of, and is gone unless the graph holds it)
-    assert hooks == [{1} if held or (i + 1) % K else {0} for i in range(3 * K)]
+    # A window's last pass ends it: the extension lets go of its nodes. (Whether a node is then
+    # gone is the graph's business: one CI run saw mode A's live on with the graph dropped, which
+    # nothing here reproduced; whatever holds it, it carries one hook, never a second.)
+    assert kept == [0 if (i + 1) % K == 0 else len(params) for i in range(3 * K)]
+    assert all(h == {1} for h in hooks) if held else all(h <= {0, 1} for h in hooks)
+    assert hooks[:K - 1] == [{1}] * (K - 1)
     opt.close()
     assert all(extension.count_take_before(p) == 0 for p in params)
     del last
