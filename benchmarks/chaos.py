@@ -202,10 +202,10 @@ class Job:
 
     # -- the model's forward with its fault points
     def in_forward(self, samples):
-        if self.opt.recovery.retries > self.retries_before and self.fatal_due("retry"):
-            self.die(self.fatal_due("retry"))
-        if self.fatal_due("forward"):
-            self.die(self.fatal_due("forward"))
+        fault = ((self.opt.recovery.retries > self.retries_before and self.fatal_due("retry"))
+                 or self.fatal_due("forward"))
+        if fault:
+            self.die(fault)
         planned = self.recoverable.get(self.pos["micro"])
         # (only where a split can help: a part of one sample that runs out of memory is the job's end)
         if (planned and planned["kind"] in ("oom_forward", "oom_allocator") and self.attempt < planned["times"]
@@ -218,10 +218,9 @@ class Job:
         self.attempt += 1  # (a part that gets this far without a fault)
 
     def in_backward(self, layer, samples):
-        if self.closing and self.fatal_due("closing"):
-            self.die(self.fatal_due("closing"))
-        if self.fatal_due("backward"):
-            self.die(self.fatal_due("backward"))
+        fault = (self.closing and self.fatal_due("closing")) or self.fatal_due("backward")
+        if fault:
+            self.die(fault)
         planned = self.recoverable.get(self.pos["micro"])
         if (planned and planned["kind"] == "oom_backward" and layer == planned["layer"]
                 and self.backward_faults < planned["times"] and samples > 1):
@@ -347,8 +346,9 @@ class Job:
                 if self.opt.update_count > before:
                     self.sched.step()
                     self.pos["window_start"], self.pos["window_attempt"] = self.pos["micro"], 0
-                    if self.fatal_due("after_update"):
-                        self.die(self.fatal_due("after_update"))
+                    fault = self.fatal_due("after_update")
+                    if fault:
+                        self.die(fault)
                 else:  # skipped (non-finite gradients): run the window's micro-batches again
                     self.log(kind="skipped", phase="window")
                     self.pos["micro"] = self.pos["window_start"]

@@ -12,6 +12,8 @@ unsplit run without any failure (fp32 rounding).
 """
 from __future__ import annotations
 
+import io
+
 import copy
 import logging
 import subprocess
@@ -96,6 +98,21 @@ def _optimizer(model, mode, backend, **kw):
     k = 1 if mode == "A" else K
     return accum_fused.AdamW(model.parameters(), lr=0.05, weight_decay=0.1, accumulation_steps=k,
                              in_backward=mode != "plain", backend=backend, **kw)
+
+
+def _restarted(model, opt, mode, backend, **kw):
+    """A checkpoint of ``model`` and ``opt`` (through bytes, as a file would), loaded into a fresh
+    Net and optimizer, as a restarted process does; the old optimizer closed."""
+    blob = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, blob)
+    blob.seek(0)
+    saved = torch.load(blob, weights_only=True)
+    opt.close()
+    model = Net("mid")
+    model.load_state_dict(saved["model"])
+    opt = _optimizer(model, mode, backend, **kw)
+    opt.load_state_dict(saved["opt"])
+    return model, opt
 
 
 def _run_one(opt, model, mode, i, batch):
@@ -629,8 +646,6 @@ def test_a_mid_window_checkpoint_after_a_recovery_resumes_bit_exactly(backend, m
     """Saved right after the recovered micro-batch (mid-window), loaded into a fresh model and
     optimizer: the resumed run goes on split as the uninterrupted one does (the learnt part size
     is in the checkpoint) and ends bit for bit the same."""
-    import io
-
     def run(checkpoint_after=None):
         model = Net("mid")
         opt = _optimizer(model, mode, backend, max_grad_norm=0.5 if mode != "A" else None)
@@ -638,15 +653,7 @@ def test_a_mid_window_checkpoint_after_a_recovery_resumes_bit_exactly(backend, m
             model.limit = [4] if i == 1 else None
             _run_one(opt, model, mode, i, batch)
             if i == checkpoint_after:
-                blob = io.BytesIO()
-                torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, blob)
-                blob.seek(0)
-                saved = torch.load(blob, weights_only=False)
-                opt.close()
-                model = Net("mid")
-                model.load_state_dict(saved["model"])
-                opt = _optimizer(model, mode, backend, max_grad_norm=0.5 if mode != "A" else None)
-                opt.load_state_dict(saved["opt"])
+                model, opt = _restarted(model, opt, mode, backend, max_grad_norm=0.5 if mode != "A" else None)
                 assert opt.recovery.max_part_size == 4 and opt.recovery.retries == 1
         return _params(model)
 
@@ -689,8 +696,6 @@ def test_a_checkpoint_in_a_window_that_ran_out_of_memory_keeps_that_window_uncle
     window lost that the window had failed, so the resumed run counted it as clean and grew its
     parts back a window early: other parts than the uninterrupted run's from then on, and
     another sum (plain mode: no longer bit for bit)."""
-    import io
-
     def run(checkpoint_after=None):
         model = Net("mid")
         opt = _optimizer(model, mode, backend)
@@ -701,15 +706,7 @@ def test_a_checkpoint_in_a_window_that_ran_out_of_memory_keeps_that_window_uncle
             _run_one(opt, model, mode, i, batch)
             part_sizes.append(opt.recovery.max_part_size)
             if i == checkpoint_after:
-                blob = io.BytesIO()
-                torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, blob)
-                blob.seek(0)
-                saved = torch.load(blob, weights_only=True)
-                opt.close()
-                model = Net("mid")
-                model.load_state_dict(saved["model"])
-                opt = _optimizer(model, mode, backend)
-                opt.load_state_dict(saved["opt"])
+                model, opt = _restarted(model, opt, mode, backend)
         return part_sizes, opt.recovery.to_state(), _params(model)
 
     resumed, uninterrupted = run(checkpoint_after=1), run()
