@@ -709,6 +709,7 @@ def backward(opt, loss: Tensor, weight: float, backward_kwargs: dict) -> None:
         raise ValueError("with in_backward=True and accumulation_steps=1 the backward passes are summed: "
                          "weight must be 1 (scale the loss instead), or set accumulation_steps")
     check_not_in_backward(opt, "opt.backward()")
+    check_resized(opt)
     win.pending_weight = weight
     win.own_backward = True
     win.backward_owned |= opt.accumulation_steps > 1
@@ -728,6 +729,28 @@ def backward(opt, loss: Tensor, weight: float, backward_kwargs: dict) -> None:
         win.pending_weight = None
         win.own_backward = False
         win.backward_pass = None
+
+
+def check_resized(opt) -> None:
+    """Refuse, before opt.backward's pass begins, a parameter whose shape changed (``p.data =
+    ...``) in the middle of a window: the window's ValueError (``Window.conform``), with nothing
+    changed. Inside the pass it would come after other gradients were added, or updates begun
+    (mode B's last micro-batch); and on the cpp backend autograd would refuse the gradient first,
+    with its own error, at the node the extension keeps for the window (hooks.cpp). A plain
+    ``loss.backward()`` (mode A) gives us no call before its pass: there the refusal is the
+    hook's on the reference backend and autograd's on cpp (troubleshooting.md)."""
+    win = opt._window
+    if not win.live:
+        return
+    fast = opt._fast_path
+    if fast is not None:  # (its hooks' parameters: one extension call, no Python per parameter)
+        slot = fast.state.resized_slot()
+        resized = [fast.params[slot]] if slot >= 0 else []
+    else:
+        buffers = win.buffers
+        resized = [p for p in win.live if p in buffers and buffers[p].shape != p.shape]
+    if resized:
+        win.conform(opt, resized, closing=False)
 
 
 def settle_failed_pass(opt) -> None:

@@ -51,6 +51,8 @@
 //     disarm()   the pass ended (or failed)
 //     taken      gradients taken here, in all (tests count them); taken_before_accumulate: of
 //                those, before AccumulateGrad
+//     resized_slot() -> the first slot whose parameter changed shape since its node was kept
+//                in this window (`p.data = ...`), or -1: opt.backward refuses it before its pass
 //     take_dropped() -> slots whose hook left its parameter's slot other than by remove_hook
 //                (something set param._post_accumulate_grad_hooks: torch's setter replaces the
 //                slot), since the last call; in_backward.py hooks them again
@@ -150,8 +152,10 @@ struct Slot {
   Tensor start_buffer;
   bool adopted_in_window = false;
   // The parameter's AccumulateGrad node with this slot's TakeBeforeAccumulate, kept from the
-  // slot's first gradient in a window (ExtensionHook) to the window's end (new_window).
+  // slot's first gradient in a window (ExtensionHook) to the window's end (new_window), and the
+  // parameter's shape then, which autograd checks every gradient reaching that node against.
   NodePtr accumulator;
+  std::vector<int64_t> kept_shape;
 
   void disarm() {
     mode = kNone;
@@ -461,6 +465,22 @@ struct HookState : std::enable_shared_from_this<HookState> {
     return std::count_if(slots.begin(), slots.end(), [](const Slot& s) { return static_cast<bool>(s.accumulator); });
   }
 
+  // The first slot whose parameter no longer has its kept node's shape (`p.data = ...` of
+  // another shape in the middle of a window), or -1: the next forward would still route its
+  // gradient to that node, and autograd refuse it with its own error, before any hook could give
+  // the spec's (in_backward.check_resized, before opt.backward's pass begins). One comparison per
+  // slot, no Python.
+  int64_t resized_slot() {
+    const Lock lock(mu);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const Slot& s = slots[i];
+      if (!s.accumulator) continue;
+      const auto& param = static_cast<const torch::autograd::AccumulateGrad*>(s.accumulator.get())->variable;
+      if (param.sizes() != c10::IntArrayRef(s.kept_shape)) return static_cast<int64_t>(i);
+    }
+    return -1;
+  }
+
   // The slot's kept node, no longer kept (its hook left the parameter), for the caller to let go
   // of outside the lock.
   NodePtr let_go(int64_t slot_id) {
@@ -762,6 +782,7 @@ void HookState::keep_accumulator(int64_t slot_id, const Tensor& param) {
     accumulator->add_pre_hook(std::make_unique<TakeBeforeAccumulate>(shared_from_this(), slot_id, accumulator));
   }
   slots[slot_id].accumulator = std::move(node);
+  slots[slot_id].kept_shape = param.sizes().vec();
 }
 
 // Put an ExtensionHook in `param`'s post-accumulate-grad slot, which holds torch's hooks for
@@ -815,6 +836,7 @@ void register_hooks(py::module& m) {
       .def("drain", &HookState::drain)
       .def("take_dropped", &HookState::take_dropped)
       .def("kept_nodes", &HookState::kept_nodes)
+      .def("resized_slot", &HookState::resized_slot)
       .def_property_readonly("armed",
                              [](const HookState& s) {
                                const HookState::Lock lock(s.mu);

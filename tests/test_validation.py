@@ -465,3 +465,90 @@ def test_a_resize_before_the_first_backward_trains_as_the_spec_does(backend, mod
     rtol, atol = tolerances[torch.float32]
     for ours, spec in zip(run(backend), run("torch")):
         torch.testing.assert_close(ours, spec, rtol=rtol, atol=atol)
+
+
+def _resized_mid_window(backend, mode, restore, use_opt_backward=True, hold_graph=False):
+    """One window (k=2), then the next window's first micro-batch, ``extra`` resized
+    (``.data =``) and its second. Returns (the type and message the second raised, or None; the
+    parameters after the run). ``restore``: the old data put back after the refusal and the micro-batch run again,
+    then one more window: a refused call that changed nothing trains on as the run never
+    resized. ``use_opt_backward``: mode A's passes through opt.backward (else loss.backward())."""
+    model = make_model()
+    extra = nn.Parameter(torch.ones(3))
+    opt = accum_fused.AdamW([*model.named_parameters(), ("extra", extra)], lr=0.01,
+                            accumulation_steps=1 if mode == "A" else 2, in_backward=mode != "plain", backend=backend)
+    held = []
+
+    def micro_batch(batch, closing):
+        loss = loss_of(model, batch) + extra.square().sum()
+        held[:] = [loss] if hold_graph else []
+        if mode == "B" or (mode == "A" and use_opt_backward):
+            opt.backward(loss)
+        else:
+            loss.backward()
+        if mode == "plain" or (mode == "A" and closing):
+            opt.step()
+            opt.zero_grad()
+
+    batches = make_batches([2, 3, 2, 3, 2, 3])
+    for i, batch in enumerate(batches[:3]):
+        micro_batch(batch, i % 2 == 1)
+    raised = None
+    if restore is not None:
+        kept = extra.data
+        extra.data = torch.ones(5)
+        try:
+            micro_batch(batches[3], True)
+        except Exception as exc:  # noqa: BLE001 (compared by the callers)
+            raised = (type(exc), str(exc))  # (not the exception: its traceback holds the graph)
+        extra.data = kept
+        held.clear()
+        if mode == "plain":
+            opt.zero_grad()  # the refused micro-batch's .grad, of the new shape (the window keeps its sums)
+    if restore is not False:
+        for i, batch in enumerate(batches[3:], start=3):
+            micro_batch(batch, i % 2 == 1)
+        assert opt.update_count == 3
+    return raised, [p.detach().clone() for p in [*model.parameters(), extra]]
+
+
+@pytest.mark.parametrize("mode", ["plain", "A", "B"])
+@pytest.mark.parametrize("hold_graph", [False, True], ids=["graph-freed", "graph-held"])
+def test_a_shape_changed_mid_window_is_refused_before_anything_changes_on_every_backend(backend, mode, hold_graph):
+    """Issue 44 row 5, in the middle of a window: on the cpp backend modes A and B met autograd's
+    shape error (the extension keeps each parameter's accumulator node through the window, and
+    torch gives a parameter a new node for a new dtype or device, not a new shape); the reference
+    backend refused inside the pass, after other gradients were added (mode B: updates begun on
+    the window's last micro-batch). opt.backward now refuses before its pass on every backend
+    with the window's ValueError, and plain mode at step() as before: nothing changes, and the
+    run, given its old data back, trains on bit for bit as if nothing had happened."""
+    raised, _ = _resized_mid_window("torch", mode, restore=False, hold_graph=hold_graph)
+    ours, _ = _resized_mid_window(backend, mode, restore=False, hold_graph=hold_graph)
+    assert ours == raised
+    if mode == "plain" and hold_graph:  # (no call of ours before backward: autograd's own, as without accum_fused)
+        assert raised[0] is RuntimeError and "expected shape compatible with [3]" in raised[1]
+        return
+    assert raised[0] is ValueError and "'extra'" in raised[1] and "in the middle of a window" in raised[1]
+    _, uninterrupted = _resized_mid_window(backend, mode, restore=None)
+    _, resumed = _resized_mid_window(backend, mode, restore=True, hold_graph=hold_graph)
+    for a, b in zip(uninterrupted, resumed):
+        assert torch.equal(a, b)
+
+
+def test_a_loss_backward_after_a_mid_window_resize_meets_autograds_refusal_on_cpp():
+    """Mode A through a plain ``loss.backward()`` gives the optimizer no call before the pass:
+    the reference backend's hook refuses with the window's ValueError, the cpp backend's kept
+    accumulator node gets autograd's own error first (as a graph holding the parameter would
+    without accum_fused). Both refuse; troubleshooting.md names both messages."""
+    import os
+
+    from conftest import cpu_skip_reason
+    if cpu_skip_reason("cpp"):
+        pytest.skip(cpu_skip_reason("cpp"))
+    spec, _ = _resized_mid_window("torch", "A", restore=False, use_opt_backward=False)
+    ours, _ = _resized_mid_window("cpp", "A", restore=False, use_opt_backward=False)
+    assert spec[0] is ValueError and "in the middle of a window" in spec[1]
+    assert ours[0] is RuntimeError and "expected shape compatible with [3]" in ours[1]
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "troubleshooting.md")) as f:
+        page = " ".join(f.read().split())
+    assert "returned an invalid gradient at index" in page and "in the middle of a window" in page
