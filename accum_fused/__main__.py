@@ -116,7 +116,12 @@ def info_lines() -> list[str]:
             lines.extend(_fast_path_lines(module._C))
     for device in devices:
         picked = backends.resolve(backends.AUTO, device, torch.float32)
-        lines.append(f"auto on {device.type}: {picked.name}")
+        line = f"auto on {device.type}: {picked.name}"
+        if device.type != "cpu" and "cpp" in available:
+            # (in_backward.by_torch_ops: the one place a GPU's per-gradient work is decided)
+            line += ("; in_backward gradients: the extension's C++ hooks, one torch add each (as AccumulateGrad), "
+                     f"the update at the window's close on {picked.name}")
+        lines.append(line)
     return lines
 
 

@@ -144,6 +144,27 @@ def _make_grad_hook(optimizer_ref: weakref.ref) -> Callable[[Tensor], None]:
 _ADD, _OVERWRITE, _ADOPT, _FOLD = 1, 2, 3, 4
 
 
+# Tests set it to run a GPU's per-gradient path (by_torch_ops) on CPU parameters.
+TORCH_OPS_ON_CPU = False
+
+
+def by_torch_ops(p: Tensor) -> bool:
+    """Whether one gradient of ``p`` goes into its buffer through torch's own ops, the reference
+    backend's, whatever the optimizer's backend: on a GPU, where a gradient must cost what
+    autograd's AccumulateGrad makes it cost (an add launched on the gradient's stream; no kernel
+    table built and uploaded, no launcher's Python), in the extension's C++ hooks
+    (hooks.cpp's accumulate_into) and in Python's (``_add``) alike, so the two stay bit-identical.
+    No update is folded into a hook there either (``begin_pass``): the window's close makes the
+    backend's one multi-tensor update per group. On CPU the backend's kernels do both."""
+    return p.device.type != "cpu" or TORCH_OPS_ON_CPU
+
+
+def _one_gradient_backend(opt, p: Tensor):
+    """The backend that adds one gradient of ``p`` (an in-backward hook's): see by_torch_ops."""
+    from .backends import reference
+    return reference if by_torch_ops(p) else opt._backend_for(p)
+
+
 class FastPath:
     """The extension's hooks (csrc/hooks.cpp). At a backward pass's first gradient (which
     ``take_grad`` takes itself) ``arm`` tells them what each other parameter's gradient is to do
@@ -155,6 +176,7 @@ class FastPath:
 
     def __init__(self, extension) -> None:
         self.state = extension.HookState()
+        self.state.torch_ops_on_cpu = TORCH_OPS_ON_CPU
         self._extension = extension
         self.params: list[Tensor] = []  # by slot
         self.slot_of: dict[Tensor, int] = {}
@@ -178,7 +200,9 @@ class FastPath:
 
     @staticmethod
     def for_optimizer(opt) -> FastPath | None:
-        if opt.backend not in ("auto", "cpp"):
+        # (Triton's too: on a GPU the hooks add with torch's ops whatever the backend; only the
+        # reference backend, the spec, keeps Python's hooks alone.)
+        if opt.backend not in ("auto", "cpp", "triton"):
             return None
         from . import backends
         cpp = backends._load("cpp")
@@ -241,11 +265,14 @@ class FastPath:
         if fold is not None:
             fold.read_step_counts(opt, self.params)
         for slot, p in enumerate(self.params):
-            if p is first or not _is_plain(p) or opt._backend_for(p) is not cpp_backend or p in complete:
+            if p is first or not _is_plain(p) or p in complete:
+                continue
+            torch_ops = by_torch_ops(p)  # (the hooks add its gradient with torch's ops: any backend's)
+            if not torch_ops and opt._backend_for(p) is not cpp_backend:
                 continue
             live = p in win.live
             buf = win.buffers.get(p)
-            if fold is not None:
+            if fold is not None and not torch_ops:
                 mode = _FOLD if buf is not None and fold.add(opt, p, overwrite=not live) else None
             elif live:
                 mode = _ADD
@@ -297,7 +324,8 @@ class FastPath:
         specs, spec_of, states = [], [], ([], [], [], [])
         for group, group_params, lists, backend in kept.calls:
             n = len(group_params)
-            if backend is not cpp_backend or not _folds_in_extension(group_params[0], group) \
+            if backend is not cpp_backend or by_torch_ops(group_params[0]) \
+                    or not _folds_in_extension(group_params[0], group) \
                     or not opt._uniform_call_key(lists):
                 return False
             hyper = opt._hyperparameters(group)
@@ -843,7 +871,7 @@ def _join_pass(opt, p: Tensor) -> tuple[BackwardPass, bool] | None:
     if mb is None:
         if win.backward_owned and not win.own_backward:
             return None  # not a micro-batch of this optimizer (a GAN's other loss): .grad stays, as torch leaves it
-        mb = begin_pass(opt)
+        mb = begin_pass(opt, p)
         mb.ender = _queue_end(opt)
         if opt._fast_path is not None:
             opt._fast_path.arm(opt, mb, p)
@@ -883,7 +911,7 @@ def _add(opt, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
         mb.started.add(p)  # a failed pass takes it back out
         if not written and _can_adopt(win, p, grad):
             if mb.weight != 1.0:  # (in place: the copying overwrite's product, g * w, bit for bit)
-                opt._backend_for(p).accumulate(grads=[kernel_view(grad)], buffers=[kernel_view(grad)],
+                _one_gradient_backend(opt, p).accumulate(grads=[kernel_view(grad)], buffers=[kernel_view(grad)],
                                                weight=mb.weight, overwrite=True)
             win.adopt(p, grad)
             mb.completed.add(p)
@@ -898,7 +926,7 @@ def _add(opt, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
         if fast is not None and fast.python_wrote(p, win.buffers[p], adopted=p in win.adopted):
             mb.python_joins -= 1  # (the extension's lists know of it: they stay true for the next pass)
     else:
-        norm = win.accumulate_one(p, grad, mb.weight, opt._backend_for(p), norm_weight_sum)
+        norm = win.accumulate_one(p, grad, mb.weight, _one_gradient_backend(opt, p), norm_weight_sum)
     mb.completed.add(p)
     if wants_norm:
         mb.norms[p] = norm
@@ -919,17 +947,21 @@ def _can_adopt(win, p: Tensor, grad: Tensor) -> bool:
             and not is_dtensor(grad))  # FSDP2's shards are views of one reduce-scatter output
 
 
-def begin_pass(opt) -> BackwardPass:
-    """The first gradient of a backward pass arrived (or opt.backward saw none): open its
-    micro-batch in the window. On the window's last micro-batch in mode B, the update happens in
-    this pass: torch's step pre-hooks run now (``step()`` runs them in plain mode and mode A)."""
+def begin_pass(opt, first: Tensor | None = None) -> BackwardPass:
+    """The first gradient of a backward pass arrived (``first``'s; or opt.backward saw none):
+    open its micro-batch in the window. On the window's last micro-batch in mode B, the update
+    happens in this pass: torch's step pre-hooks run now (``step()`` runs them in plain mode and
+    mode A). Each parameter's update is folded into its hook, unless clipping or ranks need the
+    whole window first, or the pass's gradients go in through torch's ops (on a GPU: one
+    multi-tensor update at the pass's end, not an update launch per gradient; by_torch_ops)."""
     win = opt._window
     closing = opt.accumulation_steps > 1 and win.closes_with(opt)
     if closing:
         opt._run_step_hooks(post=False)
     weight, weight_sum = win.begin_micro_batch(opt, win.take_pending_weight(), closing)
     # (a run() pass folds nothing: a failure in it must leave no parameter updated)
-    fold = closing and opt.max_grad_norm is None and not win.spans_ranks and not win.transaction
+    fold = (closing and opt.max_grad_norm is None and not win.spans_ranks and not win.transaction
+            and not (first is not None and by_torch_ops(first)))
     # With FSDP2, opt.backward scaled the loss by the weight: the gradients carry it.
     grad_weight = 1.0 if win.shards is not None else weight
     # Clipping on one rank: the norms come from the hooks' accumulate passes (across ranks they

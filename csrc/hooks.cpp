@@ -202,6 +202,7 @@ struct HookState : std::enable_shared_from_this<HookState> {
   // it), with each slot's next_mode and next_buffer.
   std::vector<int64_t> last_slots;
   bool advancing = false;  // the armed pass folds nothing: takes advance next_mode / next_buffer
+  bool torch_ops_on_cpu = false;  // accumulate_into: a GPU's path on CPU tensors too (tests)
   std::vector<int64_t> start_slots;  // the last window-start arm's slots
   bool start_ready = false;  // new_window set the lists to them and no arm has run since
   std::vector<int64_t> dropped;  // take_dropped
@@ -523,15 +524,41 @@ struct HookState : std::enable_shared_from_this<HookState> {
 
   // One gradient into its buffer with the armed weight (the buffer may be the gradient itself:
   // elementwise, in place), on the gradient's device; ||buf / norm_weight_sum|| as a 0-dim
-  // tensor when asked for.
+  // tensor when asked for. On CPU the extension's kernel (one call, no allocation); on a GPU
+  // torch's own ops, what autograd's AccumulateGrad does with a gradient (`grad +=`): launched on
+  // the current stream, the gradient's, with no table built and uploaded and nothing that waits
+  // for the device, whether or not the extension was built with CUDA. They are the reference
+  // backend's ops (reference.accumulate, window_norms), so what they write is the spec's bit for
+  // bit; the window's close is the backend's one multi-tensor update per group
+  // (in_backward.FastPath.arm folds nothing on a GPU). `torch_ops_on_cpu`: that path on CPU
+  // tensors too, so that the CPU tests run the code a GPU runs.
   std::optional<Tensor> accumulate_into(const Tensor& grad, const Tensor& buf, bool overwrite,
                                         std::optional<double> norm_weight_sum) const {
-    if (grad.is_cpu()) {
+    if (grad.is_cpu() && !torch_ops_on_cpu) {
       const auto n = accumulate_one_cpu(grad, buf, weight, overwrite, norm_weight_sum);
       return n.has_value() ? std::optional<Tensor>(at::scalar_tensor(*n, at::kFloat)) : std::nullopt;
     }
-    auto norms = accumulate_op({grad}, {buf}, weight, overwrite, std::nullopt, norm_weight_sum);
-    return norms.has_value() ? std::optional<Tensor>(norms->reshape({})) : std::nullopt;
+    if (weight == 1.0) {  // (g * 1 is g: the contribution is the gradient itself, widened)
+      if (overwrite) {
+        if (!buf.is_same(grad)) buf.copy_(grad);
+      } else {
+        buf.add_(grad);
+      }
+    } else if (overwrite && grad.scalar_type() == buf.scalar_type()) {
+      Tensor out = buf;  // (in place when buf is grad: an adopted gradient, scaled)
+      at::mul_out(out, grad, weight);
+    } else {
+      // The spec's contribution, g * w in the buffer's dtype: a bf16 gradient is widened first
+      // (g * w in bf16 would round the product to bf16).
+      const Tensor contribution = grad.scalar_type() == buf.scalar_type() ? grad * weight : grad.to(buf.scalar_type()).mul_(weight);
+      if (overwrite) {
+        buf.copy_(contribution);
+      } else {
+        buf.add_(contribution);
+      }
+    }
+    if (!norm_weight_sum.has_value()) return std::nullopt;
+    return at::linalg_vector_norm(buf / *norm_weight_sum);
   }
 
   // What a slot did with its gradient of the armed pass (`done`; `adopted`: the tensor that
@@ -842,6 +869,7 @@ void register_hooks(py::module& m) {
                                const HookState::Lock lock(s.mu);
                                return s.armed_task >= 0;
                              })
+      .def_readwrite("torch_ops_on_cpu", &HookState::torch_ops_on_cpu)
       .def_readonly("taken", &HookState::taken)
       .def_readonly("taken_before_accumulate", &HookState::taken_before_accumulate);
   py::class_<FastHook>(m, "FastHook")

@@ -32,10 +32,10 @@ def _model(dtype, seed=0, device="cpu"):
     return nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 9), nn.Tanh(), nn.Linear(9, 3)).to(device, dtype)
 
 
-def _optimizer(name, params, **kw):
+def _optimizer(name, params, backend="cpp", **kw):
     if name == "SGD":
-        return accum_fused.SGD(params, lr=0.05, momentum=0.9, backend="cpp", in_backward=True, **kw)
-    return accum_fused.AdamW(params, lr=0.01, weight_decay=0.1, backend="cpp", in_backward=True, **kw)
+        return accum_fused.SGD(params, lr=0.05, momentum=0.9, backend=backend, in_backward=True, **kw)
+    return accum_fused.AdamW(params, lr=0.01, weight_decay=0.1, backend=backend, in_backward=True, **kw)
 
 
 def _micro_batch(opt, loss, mode: str, i: int) -> None:
@@ -51,12 +51,14 @@ def _micro_batch(opt, loss, mode: str, i: int) -> None:
 
 
 def _train(python_only, monkeypatch, *, dtype, mode, clip, name="AdamW", windows=3, step_fn=None, grads_per_pass=6,
-           device="cpu"):
-    """Train a fresh model; returns (parameters, gradients the extension took)."""
+           device="cpu", torch_ops=False, backend="cpp"):
+    """Train a fresh model; returns (parameters, gradients the extension took). ``torch_ops``:
+    the per-gradient path a GPU takes (in_backward.by_torch_ops), on CPU."""
     if python_only:
         _python_hooks_only(monkeypatch)
     else:
         monkeypatch.undo()
+    monkeypatch.setattr(in_backward, "TORCH_OPS_ON_CPU", torch_ops)
     python_calls = [0]
     take_grad = in_backward.take_grad
 
@@ -66,7 +68,7 @@ def _train(python_only, monkeypatch, *, dtype, mode, clip, name="AdamW", windows
     monkeypatch.setattr(in_backward, "take_grad", counted)
     model = _model(dtype, device=device)
     k = K if mode == "B" else 1
-    opt = _optimizer(name, model.parameters(), accumulation_steps=k, max_grad_norm=clip)
+    opt = _optimizer(name, model.parameters(), accumulation_steps=k, max_grad_norm=clip, backend=backend)
     gen = torch.Generator().manual_seed(1)
     for i in range(windows * K):
         x = torch.randn(3 + i % 4, 7, generator=gen).to(device, dtype)
@@ -97,23 +99,53 @@ def test_extension_hooks_match_python_hooks(monkeypatch, dtype, mode, clip, name
     assert python_calls == expected
 
 
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+@pytest.mark.parametrize("name", ["SGD", "AdamW"])
+@pytest.mark.parametrize("mode,clip", [("A", None), ("A", 1.0), ("B", None), ("B", 0.05)],
+                         ids=["modeA", "modeA-clip", "modeB", "modeB-clip"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_the_gpus_per_gradient_path_matches_python_hooks(monkeypatch, dtype, mode, clip, name, backend):
+    """What a GPU runs per gradient (in_backward.by_torch_ops), here on CPU: the extension's hooks
+    add with torch's own ops (hooks.cpp's accumulate_into, whatever the backend) and fold no
+    update; Python's hooks add with the reference backend's and fold none either; the window's
+    close updates (cpp's or Triton's kernels). Bit-identical, the extension taking every gradient
+    but each pass's first (and a first window's bf16/fp16 gradients that have no buffer to
+    overwrite yet); and the backend's own per-gradient kernels' windows within rounding (the same
+    math, but a clipped window's norms are reduced in another order)."""
+    from conftest import cpu_skip_reason
+    if cpu_skip_reason(backend):
+        pytest.skip(cpu_skip_reason(backend))
+    fast, python_calls = _train(False, monkeypatch, dtype=dtype, mode=mode, clip=clip, name=name, torch_ops=True,
+                                backend=backend)
+    slow, _ = _train(True, monkeypatch, dtype=dtype, mode=mode, clip=clip, name=name, torch_ops=True, backend=backend)
+    for a, b in zip(fast, slow):
+        assert torch.equal(a, b)
+    assert python_calls == K * 3 + 5 * (dtype != torch.float32)
+    kernels, _ = _train(False, monkeypatch, dtype=dtype, mode=mode, clip=clip, name=name, backend=backend)
+    for a, b in zip(fast, kernels):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["auto", "cpp", "triton"])
 @pytest.mark.parametrize("mode,clip", [("A", None), ("A", 1.0), ("B", None), ("B", 0.05)],
                          ids=["modeA", "modeA-clip", "modeB", "modeB-clip"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_extension_hooks_match_python_hooks_on_cuda(monkeypatch, dtype, mode, clip):
+def test_extension_hooks_match_python_hooks_on_cuda(monkeypatch, dtype, mode, clip, backend):
     """On CUDA parameters the slot hook runs on autograd's device thread, without the GIL (under
-    HookState's mutex): the same windows as through Python's hooks, bit for bit."""
+    HookState's mutex), and adds with torch's ops whether or not the extension was built with
+    CUDA: the same windows as through Python's hooks, bit for bit, with the extension taking
+    every gradient but each pass's first (issue 43: ``auto`` without a CUDA build put every
+    gradient through Python and a Triton launch)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from accum_fused.backends import cpp_backend
-    if not cpp_backend.supports(torch.device("cuda"), dtype):
-        pytest.skip("the extension was built without CUDA")
-    fast, python_calls = _train(False, monkeypatch, dtype=dtype, mode=mode, clip=clip, device="cuda")
-    slow, _ = _train(True, monkeypatch, dtype=dtype, mode=mode, clip=clip, device="cuda")
+    if backend not in accum_fused.available_backends():
+        pytest.skip(f"backend {backend!r} not available")
+    fast, python_calls = _train(False, monkeypatch, dtype=dtype, mode=mode, clip=clip, device="cuda", backend=backend)
+    slow, _ = _train(True, monkeypatch, dtype=dtype, mode=mode, clip=clip, device="cuda", backend=backend)
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)
-    assert python_calls < K * 3 * 6 // 2  # the extension took most gradients
+    assert python_calls == K * 3 + 5 * (dtype != torch.float32)
 
 
 def test_second_gradient_and_reentrant_checkpoint_go_to_python(monkeypatch):

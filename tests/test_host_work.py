@@ -133,26 +133,31 @@ def test_no_micro_batch_reads_a_device_value_on_the_host(counters, backend, mode
         assert reads == [], f"micro-batch {i}: {reads}"
 
 
-def _needs_cuda_extension(device):
-    if device == "cuda":
-        from accum_fused.backends import cpp_backend
-        if not torch.cuda.is_available():
-            pytest.skip("no CUDA device")
-        if not cpp_backend.supports(torch.device("cuda"), torch.float32):
-            pytest.skip("the extension was built without CUDA")
+def _needs_cuda_and_extension(device):
+    """On CUDA the extension's hooks take gradients whether or not it was built with CUDA (they
+    add with torch's ops there: in_backward.by_torch_ops); it must load."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if "cpp" not in accum_fused.available_backends():
+        pytest.skip("the extension is not built")
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("device", ["cpu", "cpu-as-gpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["no-clip", "clip"])
 @pytest.mark.parametrize("mode", ["A", "B"])
-def test_the_extensions_hooks_leave_python_one_gradient_a_pass(counters, mode, clip, device):
+def test_the_extensions_hooks_leave_python_one_gradient_a_pass(counters, monkeypatch, mode, clip, device):
     """cpp, on CPU and (marked cuda) CUDA parameters, whose C++ hooks run on autograd's device
     thread: past the first window (whose close creates the optimizer state in Python), each
     backward pass runs Python for its first gradient only (it arms the C++ hooks), and Python
     calls the extension at most once for that gradient and, at a window's close, once for the
     update of the group (and once for the norms of mode A's clipped close): no Python and no
-    Python-side launch per gradient, whatever the number of parameters."""
-    _needs_cuda_extension(device)
+    Python-side launch per gradient, whatever the number of parameters. ``cpu-as-gpu``: the
+    per-gradient path a GPU takes (torch's ops in the hooks, no update folded into them), on CPU;
+    on CUDA it is taken whether or not the extension was built with CUDA."""
+    _needs_cuda_and_extension(device)
+    if device == "cpu-as-gpu":
+        monkeypatch.setattr(in_backward, "TORCH_OPS_ON_CPU", True)
+        device = "cpu"
     per = _per_micro_batch(counters, "cpp", mode, clip, device=device)
     for i, (_, takes, kernels) in enumerate(per[K:], start=K):
         closing = i % K == K - 1
@@ -162,17 +167,20 @@ def test_the_extensions_hooks_leave_python_one_gradient_a_pass(counters, mode, c
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["auto", "cpp", "triton", "torch"])
 @pytest.mark.parametrize("mode", ["plain", "A", "B"])
-def test_no_host_device_sync_on_cuda(counters, mode):
+def test_no_host_device_sync_on_cuda(counters, mode, backend):
     """On a GPU: torch's own sync detector, set to raise, through three windows of each mode on
-    the extension's CUDA kernels, with clipping (the close's norm and coefficient stay on the
-    device)."""
-    _needs_cuda_extension("cuda")
-    _per_micro_batch(counters, "cpp", mode, 1.0, device="cuda", windows=1)  # (warm: state, tables)
+    each backend (the extension's CUDA kernels where it was built with them), with clipping (the
+    close's norm and coefficient stay on the device)."""
+    _needs_cuda_and_extension("cuda")
+    if backend not in accum_fused.available_backends() and backend != "auto":
+        pytest.skip(f"backend {backend!r} not available")
+    _per_micro_batch(counters, backend, mode, 1.0, device="cuda", windows=1)  # (warm: state, tables)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        per = _per_micro_batch(counters, "cpp", mode, 1.0, device="cuda")
+        per = _per_micro_batch(counters, backend, mode, 1.0, device="cuda")
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(reads == [] for reads, _, _ in per)
