@@ -106,7 +106,14 @@ else:
     SHAPES = [(args.numel_per_tensor,)] * args.tensors
 N, D = len(SHAPES), args.numel_per_tensor
 K = args.window or 1000  # (without --window, mode B's window never closes here)
-FUSED = ["mode_b_fused"] if args.linear_tokens else []
+FUSED = []
+if args.linear_tokens:
+    # (fuse_linear_gradients refuses a model with no nn.Linear whose weight trains: LoRA's frozen
+    # base layers; its adapters are plain parameters)
+    if any(type(m) is nn.Linear and m.weight.requires_grad for m in build_model().modules()):
+        FUSED = ["mode_b_fused"]
+    else:
+        print(f"mode_b_fused left out: no nn.Linear of the {args.shapes_of} model has a trainable weight to fuse")
 
 
 def linear_loss(model):
