@@ -144,10 +144,12 @@ stage_train() {
 }
 
 # Every contender of the model stage: the native loop, each accum_fused mode on each kernel backend,
-# and forward + backward alone (the floor the optimizer side is measured from). mode_b:torch too:
-# per gradient the reference backend does what AccumulateGrad does (one add, launched by torch),
-# the measure Triton's one-launch-per-gradient accumulate is to be read against (issue 43 item 2).
-MODEL_CONTENDERS=native,plain:cpp,plain:triton,mode_a:cpp,mode_a:triton,mode_b:cpp,mode_b:triton,mode_b:torch,fb_only
+# and forward + backward alone (the floor the optimizer side is measured from). The reference
+# backend too, in plain mode and mode B: Python's hooks and torch's ops, what `auto` is measured
+# against on a device where the extension has no CUDA kernels (plain:torch against plain:triton
+# says which `auto` should take there; mode B's per-gradient adds are torch's on a GPU for every
+# backend now, in the extension's C++ hooks except on the reference backend).
+MODEL_CONTENDERS=native,plain:cpp,plain:triton,plain:torch,mode_a:cpp,mode_a:triton,mode_b:cpp,mode_b:triton,mode_b:torch,fb_only
 export MODEL_CONTENDERS
 
 stage_model() {

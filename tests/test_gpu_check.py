@@ -75,7 +75,7 @@ def test_dry_run(tmp_path):
     skipped = {s["contender"]: s["reason"] for s in model["skipped"]}
     assert {"native", "plain:cpp", "mode_a:cpp", "mode_b:cpp", "fb_only"} <= set(timed), (timed, skipped)
     modes = {f"{mode}:{backend}" for mode in ("plain", "mode_a", "mode_b") for backend in ("cpp", "triton")}
-    assert set(timed) | set(skipped) == {"native", "fb_only", "mode_b:torch"} | modes
+    assert set(timed) | set(skipped) == {"native", "fb_only", "plain:torch", "mode_b:torch"} | modes
     assert all(r["check"] is None for r in timed.values()), timed
     assert timed["plain:cpp"]["resolved_backend"] == "cpp" and timed["plain:cpp"]["optimizer_side_ms"] is not None
     assert model["config"]["autocast"] == "bf16" and model["config"]["tie"]
