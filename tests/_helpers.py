@@ -277,7 +277,6 @@ def built_without_extension() -> bool:
 
 def worker_backends() -> list[str]:
     """The backends a two-rank worker runs every scenario on (CPU tensors): those that run them here."""
-    from conftest import cpu_skip_reason
     return [b for b in ("torch", "cpp", "triton") if cpu_skip_reason(b) is None]
 
 
@@ -340,3 +339,16 @@ class RaisingBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         raise RuntimeError("simulated out of memory")
+
+
+def cpu_skip_reason(name: str) -> str | None:
+    """Why backend ``name`` cannot run the suite's CPU tensors here, or None. Triton runs CPU
+    tensors only through its interpreter: on a GPU machine (no TRITON_INTERPRET) a CPU test with
+    backend="triton" would silently run the reference backend and check nothing of Triton's."""
+    from accum_fused.backends import _load
+    available = accum_fused.available_backends()
+    if name not in available:
+        return f"backend {name!r} not available here (available: {available})"
+    if not _load(name).supports(torch.device("cpu"), torch.float32):
+        return f"backend {name!r} does not run CPU tensors here (Triton: only under TRITON_INTERPRET=1)"
+    return None

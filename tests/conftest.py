@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import accum_fused
-from accum_fused.backends import _load
+from _helpers import cpu_skip_reason
 
 BACKENDS = ["torch", "cpp", "triton"]
 
@@ -40,18 +39,6 @@ KERNEL_TOLERANCES: dict[torch.dtype, tuple[float, float] | int] = {
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "cuda: runs on a CUDA device where there is one (benchmarks/gpu_check.sh runs these)")
-
-
-def cpu_skip_reason(name: str) -> str | None:
-    """Why backend ``name`` cannot run the suite's CPU tensors here, or None. Triton runs CPU
-    tensors only through its interpreter: on a GPU machine (no TRITON_INTERPRET) a CPU test with
-    backend="triton" would silently run the reference backend and check nothing of Triton's."""
-    available = accum_fused.available_backends()
-    if name not in available:
-        return f"backend {name!r} not available here (available: {available})"
-    if not _load(name).supports(torch.device("cpu"), torch.float32):
-        return f"backend {name!r} does not run CPU tensors here (Triton: only under TRITON_INTERPRET=1)"
-    return None
 
 
 @pytest.fixture(params=BACKENDS)

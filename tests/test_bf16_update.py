@@ -16,8 +16,7 @@ import torch
 import accum_fused
 from accum_fused.backends import _load, reference
 
-from _helpers import ulp_distance
-from conftest import cpu_skip_reason
+from _helpers import cpu_skip_reason, ulp_distance
 
 SIZES = [0, 1, 3, 4097, 70003]
 

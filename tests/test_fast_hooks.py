@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 import accum_fused
 from accum_fused import in_backward
 
-from _helpers import RaisingBackward
+from _helpers import RaisingBackward, cpu_skip_reason
 
 pytestmark = pytest.mark.skipif("cpp" not in accum_fused.available_backends(), reason="needs the extension")
 
@@ -112,7 +112,6 @@ def test_the_gpus_per_gradient_path_matches_python_hooks(monkeypatch, dtype, mod
     but each pass's first (and a first window's bf16/fp16 gradients that have no buffer to
     overwrite yet); and the backend's own per-gradient kernels' windows within rounding (the same
     math, but a clipped window's norms are reduced in another order)."""
-    from conftest import cpu_skip_reason
     if cpu_skip_reason(backend):
         pytest.skip(cpu_skip_reason(backend))
     fast, python_calls = _train(False, monkeypatch, dtype=dtype, mode=mode, clip=clip, name=name, torch_ops=True,

@@ -10,6 +10,7 @@ from torch import nn
 import accum_fused
 from _helpers import (
     OPTIMIZERS,
+    cpu_skip_reason,
     assert_params_equal,
     assert_unchanged,
     loss_of,
@@ -542,7 +543,6 @@ def test_a_loss_backward_after_a_mid_window_resize_meets_autograds_refusal_on_cp
     without accum_fused). Both refuse; troubleshooting.md names both messages."""
     import os
 
-    from conftest import cpu_skip_reason
     if cpu_skip_reason("cpp"):
         pytest.skip(cpu_skip_reason("cpp"))
     spec, _ = _resized_mid_window("torch", "A", restore=False, use_opt_backward=False)
