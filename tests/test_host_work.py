@@ -184,3 +184,65 @@ def test_no_host_device_sync_on_cuda(counters, mode, backend):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(reads == [] for reads, _, _ in per)
+
+
+class _AtenOps(TorchDispatchMode):
+    """Counts the aten ops dispatched while active: on a GPU each one a kernel launch (the
+    extension's C++ hooks dispatch theirs through torch too, where they add with torch's ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_micro_batch(kind, weight=None):
+    """Each micro-batch's aten ops, forward and backward included: the native loop (``.grad``
+    accumulated by AccumulateGrad, torch.optim.AdamW) or accum_fused's mode A or B on cpp."""
+    model = _model("cpu")
+    if kind == "native":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        opt = accum_fused.AdamW(model.parameters(), lr=1e-3, accumulation_steps=1 if kind == "A" else K,
+                                in_backward=True, backend="cpp")
+    x = torch.randn(8, 16)
+    out = []
+    for i in range(3 * K):
+        ops = _AtenOps()
+        with ops:
+            loss = model(x * (i + 1)).square().mean()
+            if kind == "B":
+                opt.backward(loss, weight=weight)
+            else:
+                loss.backward()
+                if i % K == K - 1:
+                    opt.step()
+                    opt.zero_grad()
+        out.append(ops.ops)
+    return out
+
+
+@pytest.mark.parametrize("mode,weight", [("A", None), ("B", None), ("B", 3.0)], ids=["A", "B", "B-weighted"])
+def test_a_gpus_gradient_launches_what_accumulate_grad_does(monkeypatch, mode, weight):
+    """The per-gradient path a GPU takes (torch's ops in the extension's hooks, in_backward.
+    by_torch_ops), run on CPU and counted in aten ops, each a kernel launch on a GPU: a middle
+    micro-batch launches what the native loop's does (forward, backward, AccumulateGrad's one
+    add per parameter) and one op more (the detach of the one gradient Python arms the hooks
+    with). A weight other than 1 costs a multiply per parameter more (g * w, then the add, as
+    the spec rounds it), which the native loop puts in its loss instead."""
+    if "cpp" not in accum_fused.available_backends():
+        pytest.skip("the extension is not built")
+    monkeypatch.setattr(in_backward, "TORCH_OPS_ON_CPU", True)
+    native = _ops_per_micro_batch("native")
+    ours = _ops_per_micro_batch(mode, weight)
+    for i in range(K + 1, 2 * K - 1):  # (the second window's middle micro-batches)
+        extra = ours[i] - native[i]
+        assert not native[i] - ours[i], f"micro-batch {i}: fewer ops than native? {native[i] - ours[i]}"
+        allowed = collections.Counter({"aten.detach.default": 1})
+        if weight is not None:
+            allowed["aten.mul.Scalar"] = PARAMS - 1
+            allowed["aten.mul.Tensor"] = 1
+        assert extra == allowed, f"micro-batch {i}: {dict(extra)} more than the native loop's"

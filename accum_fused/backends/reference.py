@@ -57,9 +57,12 @@ def accumulate(
     kernels compute those inside the accumulate pass.
     """
     for grad, buf in zip(grads, buffers):
-        contribution = grad.to(buf.dtype).mul_(weight) if grad.dtype != buf.dtype else grad * weight
-        if grad_scale is not None:
-            contribution.div_(grad_scale.to(device=buf.device, dtype=buf.dtype))
+        if weight == 1.0 and grad_scale is None:
+            contribution = grad  # (g * 1 is g; a narrower gradient widens exactly as it is added)
+        else:
+            contribution = grad.to(buf.dtype).mul_(weight) if grad.dtype != buf.dtype else grad * weight
+            if grad_scale is not None:
+                contribution.div_(grad_scale.to(device=buf.device, dtype=buf.dtype))
         if overwrite:
             buf.copy_(contribution)
         else:
