@@ -195,7 +195,7 @@ stage_parity() {
 stage_oom() {
   # A real CUDA out-of-memory error in a micro-batch, recovered by opt.run (issue 30).
   [ "$DRY_RUN" = 1 ] && { echo "dry run: the out-of-memory check needs a GPU"; return 3; }
-  "$PYTHON" benchmarks/gpu_oom_check.py
+  "$PYTHON" benchmarks/gpu_oom_check.py --json "$WORK/oom.json"
 }
 
 find_sanitizer() {
