@@ -360,6 +360,7 @@ def report(work: Path, out: Path) -> int:
     model = read_json(work / "model.json")
     fsdp = read_json(work / "fsdp.json")
     parity = read_json(work / "parity.json")
+    oom = read_json(work / "oom.json")
     sanitizers = {name: {"summary": sanitizer_summary(work / f"{name}.log"), "pytest": pytest_tail(work / f"{name}.log")}
                   for name in ("memcheck", "racecheck")}
 
@@ -430,6 +431,7 @@ def report(work: Path, out: Path) -> int:
               "model": model,  # bench_transformer.py's record of the GPT-2 step (likewise: no file of its own)
               "fsdp": fsdp,  # bench_fsdp.py's whole record (no file of its own: the device tool returns 8 at most)
               "parity": parity,  # gpu_parity.py's record (likewise)
+              "oom": oom,  # gpu_oom_check.py's record (likewise)
               "files": files}
     (out / "gpu_check.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
     return 0
