@@ -921,7 +921,7 @@ def _add(opt, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
     wants_norm = mb.norms is not None and not again  # (a second gradient: measured again at closing)
     norm_weight_sum = mb.weight_sum if wants_norm else None
     if written:
-        norm = win.write_one(p, grad, mb.weight, opt._backend_for(p), norm_weight_sum)
+        norm = win.write_one(p, grad, mb.weight, _one_gradient_backend(opt, p), norm_weight_sum)
         fast = opt._fast_path
         if fast is not None and fast.python_wrote(p, win.buffers[p], adopted=p in win.adopted):
             mb.python_joins -= 1  # (the extension's lists know of it: they stay true for the next pass)

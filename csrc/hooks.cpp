@@ -388,7 +388,7 @@ struct HookState : std::enable_shared_from_this<HookState> {
           buf.add_(total, weight);
         }
       }
-      if (norm_weight_sum.has_value()) norm = window_norms_op({buf}, *norm_weight_sum).select(0, 0);
+      if (norm_weight_sum.has_value()) norm = norm_of(buf, *norm_weight_sum);
     }
     // (a start is recorded as an adoption of the buffer it wrote: the window lets go of it)
     record_take(slot_id, starts ? kAdopt : kAdd, starts ? std::optional<Tensor>(buf) : std::nullopt, std::move(norm));
@@ -558,7 +558,14 @@ struct HookState : std::enable_shared_from_this<HookState> {
       }
     }
     if (!norm_weight_sum.has_value()) return std::nullopt;
-    return at::linalg_vector_norm(buf / *norm_weight_sum);
+    return norm_of(buf, *norm_weight_sum);
+  }
+
+  // ||buf / norm_weight_sum|| as a 0-dim tensor on the buffer's device: the extension's kernel on
+  // CPU, torch's ops (the reference's window_norms) elsewhere, as accumulate_into adds.
+  Tensor norm_of(const Tensor& buf, double norm_weight_sum) const {
+    if (buf.is_cpu() && !torch_ops_on_cpu) return window_norms_op({buf}, norm_weight_sum).select(0, 0);
+    return at::linalg_vector_norm(buf / norm_weight_sum);
   }
 
   // What a slot did with its gradient of the armed pass (`done`; `adopted`: the tensor that

@@ -395,13 +395,18 @@ def test_the_extensions_writes_are_take_writtens(monkeypatch, mode, clip):
 
 
 @pytest.mark.skipif("cpp" not in accum_fused.available_backends(), reason="needs the extension's hooks")
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("device", ["cpu", "cpu-as-gpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_the_extensions_writes_on_each_device(monkeypatch, device):
     """HookState.write_linear on the device's own autograd thread (CUDA: the device thread, its
     GEMM on the current stream) against take_written, bit for bit, in mode B with clipping and
-    weights; and the extension wrote most of the gradients."""
+    weights; and the extension wrote most of the gradients. On a GPU (and ``cpu-as-gpu``, the
+    GPU's per-gradient path on CPU: in_backward.by_torch_ops) a clipped window's norms are
+    torch's ops in both, whether or not the extension was built with CUDA (its CUDA norm kernel
+    raised in backward without it)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    torch_ops = device == "cpu-as-gpu"
+    device = "cpu" if torch_ops else device
     runs, written = [], []
     write_linear = in_backward.FastPath.write_linear
 
@@ -412,6 +417,7 @@ def test_the_extensions_writes_on_each_device(monkeypatch, device):
     for spec in (False, True):
         monkeypatch.undo()
         monkeypatch.setattr(in_backward.FastPath, "write_linear", counted)
+        monkeypatch.setattr(in_backward, "TORCH_OPS_ON_CPU", torch_ops)
         if spec:
             monkeypatch.setattr(in_backward.FastPath, "for_optimizer", staticmethod(lambda opt: None))
         torch.manual_seed(0)
