@@ -397,9 +397,9 @@ def make_plan(config: str, seed: int, ranks: int, windows: int, fatal, recoverab
     cfg = CONFIGS[config]
     # Real allocator failures on 1 rank only: RLIMIT_AS caps the whole process, and with gloo's
     # threads in it the cap can fail an allocation that is not the micro-batch's (glibc reserves
-    # 64 MiB of address space per thread's arena), which says nothing about recovery: one CI run
-    # of a 2-rank round aborted so ("terminate called without an active exception"; not
-    # reproduced in 9 reruns).
+    # 64 MiB of address space per thread's arena), which says nothing about recovery. (A CI run's
+    # 2-rank abort, "terminate called without an active exception", first blamed on this, was
+    # torch's gloo exit-time abort: a later one came in a fault-free launch. See launch.)
     ooms = ["oom_forward", "oom_backward"] + (["oom_allocator"] if ranks == 1 else [])
     kinds = (ooms if cfg["oom"] else []) + (["nonfinite"] if cfg["scaler"] else [])
     recoverable = {}
