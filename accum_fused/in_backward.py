@@ -771,14 +771,12 @@ def check_resized(opt) -> None:
     if not win.live:
         return
     fast = opt._fast_path
-    if fast is not None:  # (its hooks' parameters: one extension call, no Python per parameter)
-        slot = fast.state.resized_slot()
-        resized = [fast.params[slot]] if slot >= 0 else []
-    else:
-        buffers = win.buffers
-        resized = [p for p in win.live if p in buffers and buffers[p].shape != p.shape]
-    if resized:
-        win.conform(opt, resized, closing=False)
+    if fast is None:
+        win.conform(opt, list(win.live), closing=False)  # (what each gradient's hook conforms, ahead of it)
+        return
+    slot = fast.state.resized_slot()  # (its hooks' parameters: one extension call, no Python per parameter)
+    if slot >= 0:
+        win.conform(opt, [fast.params[slot]], closing=False)
 
 
 def settle_failed_pass(opt) -> None:
