@@ -10,7 +10,8 @@ Environment:
   ACCUM_FUSED_NO_EXTENSION=1   build no extension (the package then runs on the reference backend)
   ACCUM_FUSED_NO_CUDA=1        CPU kernels only, even with a CUDA torch and nvcc
   ACCUM_FUSED_MARCH=native     add -march=<value> (only for builds run on the building machine)
-  TORCH_CUDA_ARCH_LIST, MAX_JOBS  honoured by torch's BuildExtension
+  TORCH_CUDA_ARCH_LIST, MAX_JOBS  honoured by torch's BuildExtension (with no GPU visible and no
+                               TORCH_CUDA_ARCH_LIST: the cards this torch was built for that nvcc knows)
   CXX                          the C++ compiler (default c++)
 A build without a working C++ compiler stops with a message naming the fix and
 ACCUM_FUSED_NO_EXTENSION=1, rather than falling back silently: the fast build was asked for.
@@ -87,6 +88,27 @@ def _build_ext_class(base):
     return BuildExtension
 
 
+def _cuda_archs_without_a_gpu(cpp_extension) -> str:
+    """TORCH_CUDA_ARCH_LIST for a CUDA build on a machine that shows no GPU (a cluster's login
+    node, a container build), where torch's BuildExtension would pick the visible cards' and, with
+    none, fail with a bare IndexError: the cards this torch itself was built for (its sm_* arch
+    flags) that this nvcc can compile for, the newest also as PTX (for newer cards). Empty when
+    either is unknown."""
+    import re
+    import subprocess
+
+    torch_archs = getattr(torch._C, "_cuda_getArchFlags", lambda: "")() or ""
+    wanted = [m.groups() for m in re.finditer(r"\bsm_(\d+?)(\d)\b", torch_archs)]  # ("9", "0") for sm_90
+    try:
+        listed = subprocess.run([os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"), "--list-gpu-arch"],
+                                capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        listed = ""
+    nvcc_archs = set(re.findall(r"\bcompute_(\d+)\b", listed))
+    archs = sorted({(int(major), int(minor)) for major, minor in wanted if major + minor in nvcc_archs})
+    return ";".join(f"{major}.{minor}" for major, minor in archs) + "+PTX" if archs else ""
+
+
 def _extension_options() -> dict:
     """ext_modules/cmdclass for accum_fused._C, or nothing with ACCUM_FUSED_NO_EXTENSION."""
     if _flag("ACCUM_FUSED_NO_EXTENSION"):
@@ -114,6 +136,20 @@ def _extension_options() -> dict:
         torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None and not _flag("ACCUM_FUSED_NO_CUDA")
     )
     kwargs = dict(include_dirs=[os.path.join(here, "csrc")], extra_compile_args={"cxx": cxx}, extra_link_args=link)
+    if build_cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip() and torch.cuda.device_count() == 0:
+        archs = _cuda_archs_without_a_gpu(cpp_extension)
+        if not archs:
+            raise SystemExit(
+                "\nerror: accum_fused's CUDA kernels are to be built (a CUDA torch and nvcc were found), but this "
+                "machine shows no GPU to build them for, and neither this torch's CUDA architectures nor "
+                f"{cpp_extension.CUDA_HOME}/bin/nvcc's could be read. Name the cards the build is for, e.g.\n"
+                "    TORCH_CUDA_ARCH_LIST=\"8.0;9.0\" pip install --no-build-isolation -e .\n"
+                "or build the CPU kernels only (CUDA then runs on torch's and Triton's kernels):\n"
+                "    ACCUM_FUSED_NO_CUDA=1 pip install --no-build-isolation -e .")
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+        print(f"accum_fused: no GPU visible; building the CUDA kernels for this torch's cards that nvcc supports: "
+              f"TORCH_CUDA_ARCH_LIST={archs} (set TORCH_CUDA_ARCH_LIST to your cards' for a faster build)",
+              file=sys.stderr)
     if build_cuda:
         sources.append("csrc/cuda/kernels.cu")
         # -fmad=false: the CUDA kernels contract exactly where the CPU kernels do (math.h).
