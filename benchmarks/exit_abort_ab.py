@@ -147,7 +147,7 @@ def worker(arm: str) -> None:
 
 
 def launch(arm: str, timeout: float, accum_fused_path: str | None = None) -> dict:
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", os.path.abspath(__file__), "--worker", arm]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", os.path.abspath(__file__), "--worker", arm]
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
     if accum_fused_path:
         env["PYTHONPATH"] = os.pathsep.join([accum_fused_path] + [p for p in [env.get("PYTHONPATH")] if p])

@@ -5,6 +5,7 @@ Everything here is deterministic (explicit generators / seeds), CPU-only and sma
 from __future__ import annotations
 
 import copy
+import functools
 import io
 
 import torch
@@ -351,4 +352,13 @@ def cpu_skip_reason(name: str) -> str | None:
         return f"backend {name!r} not available here (available: {available})"
     if not _load(name).supports(torch.device("cpu"), torch.float32):
         return f"backend {name!r} does not run CPU tensors here (Triton: only under TRITON_INTERPRET=1)"
+    if name == "triton":
+        return triton_interpreter_problem()
     return None
+
+
+@functools.cache
+def triton_interpreter_problem() -> str | None:
+    """Why Triton's CPU interpreter does not run the kernels as a GPU does, or None (tests/_triton_interpreter.py)."""
+    import _triton_interpreter
+    return _triton_interpreter.problem()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import _triton_interpreter
 from _helpers import cpu_skip_reason
 
 BACKENDS = ["torch", "cpp", "triton"]
@@ -40,12 +39,6 @@ KERNEL_TOLERANCES: dict[torch.dtype, tuple[float, float] | int] = {
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "cuda: runs on a CUDA device where there is one (benchmarks/gpu_check.sh runs these)")
-    # One clear error instead of every Triton case failing inside the interpreter (once: not in
-    # pytest-xdist's workers).
-    if not hasattr(config, "workerinput"):
-        problem = _triton_interpreter.problem()
-        if problem:
-            raise pytest.UsageError(problem)
 
 
 @pytest.fixture(params=BACKENDS)
