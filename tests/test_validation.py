@@ -375,30 +375,42 @@ def test_the_bf16_update_message_is_the_one_the_page_quotes():
         accum_fused.AdamW([nn.Parameter(torch.ones(2))], bf16_update="round")
 
 
-def _resized_between_windows(backend, mode, hold_graph=False):
-    """Two windows, then a parameter resized (``.data =``) and the micro-batches of a third:
-    (the call that raised, its type and message, the parameters before it). ``hold_graph``: each
-    micro-batch's loss, and so its graph, lives on through the next one's forward (a loop's
-    ``loss = ...`` rebinding)."""
+def _resize_rig(backend, mode, hold_graph=False, use_opt_backward=True):
+    """A model, a parameter ``extra`` to resize, their AdamW (k=2; mode A: k=1) and a micro-batch
+    step ``micro_batch(batch, closing)``. ``hold_graph``: each micro-batch's loss, and so its
+    graph, lives on through the next one's forward (a loop's ``loss = ...`` rebinding; ``held``
+    holds it). ``use_opt_backward``: mode A's passes through opt.backward (else loss.backward())."""
     model = make_model()
     extra = nn.Parameter(torch.ones(3))
     opt = accum_fused.AdamW([*model.named_parameters(), ("extra", extra)], lr=0.01,
                             accumulation_steps=1 if mode == "A" else 2, in_backward=mode != "plain", backend=backend)
-    calls = 0
     held = []
+
+    def micro_batch(batch, closing):
+        loss = loss_of(model, batch) + extra.square().sum()
+        held[:] = [loss] if hold_graph else []
+        if mode == "B" or (mode == "A" and use_opt_backward):
+            opt.backward(loss)
+        else:
+            loss.backward()
+        if mode == "plain" or (mode == "A" and closing):
+            opt.step()
+            opt.zero_grad()
+
+    return model, extra, opt, micro_batch, held
+
+
+def _resized_between_windows(backend, mode, hold_graph=False):
+    """Two windows, then a parameter resized (``.data =``) and the micro-batches of a third:
+    (the calls made up to the one that raised, its type and message, the parameters before it);
+    mode A through loss.backward()."""
+    model, extra, _, step, _ = _resize_rig(backend, mode, hold_graph, use_opt_backward=False)
+    calls = 0
 
     def micro_batch(batch, closing):
         nonlocal calls
         calls += 1
-        loss = loss_of(model, batch) + extra.square().sum()
-        held[:] = [loss] if hold_graph else []
-        if mode == "B":
-            opt.backward(loss)
-            return
-        loss.backward()
-        if mode == "plain" or closing:
-            opt.step()
-            opt.zero_grad()
+        step(batch, closing)
 
     for i, batch in enumerate(make_batches([2, 3, 2, 3])):
         micro_batch(batch, i % 2 == 1)
@@ -474,23 +486,7 @@ def _resized_mid_window(backend, mode, restore, use_opt_backward=True, hold_grap
     parameters after the run). ``restore``: the old data put back after the refusal and the micro-batch run again,
     then one more window: a refused call that changed nothing trains on as the run never
     resized. ``use_opt_backward``: mode A's passes through opt.backward (else loss.backward())."""
-    model = make_model()
-    extra = nn.Parameter(torch.ones(3))
-    opt = accum_fused.AdamW([*model.named_parameters(), ("extra", extra)], lr=0.01,
-                            accumulation_steps=1 if mode == "A" else 2, in_backward=mode != "plain", backend=backend)
-    held = []
-
-    def micro_batch(batch, closing):
-        loss = loss_of(model, batch) + extra.square().sum()
-        held[:] = [loss] if hold_graph else []
-        if mode == "B" or (mode == "A" and use_opt_backward):
-            opt.backward(loss)
-        else:
-            loss.backward()
-        if mode == "plain" or (mode == "A" and closing):
-            opt.step()
-            opt.zero_grad()
-
+    model, extra, opt, micro_batch, held = _resize_rig(backend, mode, hold_graph, use_opt_backward)
     batches = make_batches([2, 3, 2, 3, 2, 3])
     for i, batch in enumerate(batches[:3]):
         micro_batch(batch, i % 2 == 1)
