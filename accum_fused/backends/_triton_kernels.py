@@ -43,11 +43,15 @@ GPUs).
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 # Triton reads TRITON_INTERPRET when a kernel is defined: whether these kernels are interpreted.
-INTERPRETED = bool(triton.knobs.runtime.interpret)
+# (triton.knobs is Triton 3.4's; before it, triton.jit read the environment variable itself.)
+_knobs = getattr(triton, "knobs", None)
+INTERPRETED = bool(_knobs.runtime.interpret) if _knobs is not None else os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # meta columns (the kernels index them by number: 0 numel, 1 flags, 2/3 chunk range, 4.. addresses)
 NUMEL, FLAGS, CHUNK_BEGIN, CHUNK_END, PTR0 = 0, 1, 2, 3, 4
