@@ -576,3 +576,59 @@ def test_a_one_tensor_accumulate_needs_no_table_and_matches_the_table_kernel(tb,
     assert torch.equal(one, two)
     assert torch.equal(norm_one.reshape(()), norms[0])
     assert tb.accumulate(grads=[grad], buffers=[one], weight=0.75, overwrite=overwrite, grad_scale=scale) is None
+
+
+@needs_triton
+def test_a_triton_before_3_4_loads_interpreted_as_its_jit_reads_it():
+    """Triton < 3.4 has no ``triton.knobs`` (torch 2.6 pins 3.2): the kernels' module read it at
+    import and the backend failed to load. Whether the kernels are interpreted is then read from
+    TRITON_INTERPRET, as that Triton's jit reads it."""
+    result = _python(
+        """
+        import triton
+        del triton.knobs
+        import accum_fused
+        from accum_fused.backends import _load, unavailable_reasons
+        print(repr((accum_fused.available_backends(), unavailable_reasons().get("triton"),
+                    _load("triton").INTERPRETED)))
+        """,
+        {"TRITON_INTERPRET": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    names, reason, interpreted = eval(result.stdout.strip().splitlines()[-1])
+    assert "triton" in names, reason
+    assert interpreted
+
+
+@needs_triton
+def test_a_triton_the_kernels_cannot_use_is_unavailable_with_the_reason():
+    """A Triton that is installed but breaks the kernels' module at import (not an ImportError):
+    the backend is unavailable with that reason, "auto" trains on another backend, and naming it
+    raises with the reason, as for a missing Triton."""
+    result = _python(
+        """
+        import torch, triton
+        def jit(*args, **kwargs):
+            raise RuntimeError("simulated: this Triton cannot compile these kernels")
+        triton.jit = jit
+        import accum_fused
+        from accum_fused.backends import unavailable_reasons
+        p = torch.nn.Parameter(torch.ones(2))
+        opt = accum_fused.SGD([p], lr=0.1, accumulation_steps=1)
+        p.grad = torch.ones(2)
+        opt.step()
+        try:
+            accum_fused.SGD([p], lr=0.1, backend="triton")
+            error = None
+        except RuntimeError as exc:
+            error = str(exc)
+        print(repr((accum_fused.available_backends(), unavailable_reasons()["triton"], error, p.tolist())))
+        """,
+        {"TRITON_INTERPRET": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    names, reason, error, p = eval(result.stdout.strip().splitlines()[-1])
+    assert "triton" not in names
+    assert "RuntimeError: simulated: this Triton cannot compile these kernels" in reason
+    assert error is not None and "'triton' is not available" in error and "simulated" in error
+    assert p == [torch.tensor(0.9).item()] * 2

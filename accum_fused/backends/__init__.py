@@ -49,7 +49,11 @@ def _load(name: str) -> ModuleType | None:
         return None
     try:
         module = importlib.import_module(f"{__name__}.{name}_backend")
-    except ImportError as exc:
+    except Exception as exc:  # noqa: BLE001
+        # ImportError: not installed, not built, no device. Anything else is a package installed
+        # but not one this backend can use (a Triton whose API its kernels' module does not find,
+        # say): unavailable all the same, with the reason, rather than an error out of every
+        # optimizer that asks for "auto".
         _unavailable[name] = f"{type(exc).__name__}: {exc}"
         return None
     _loaded[name] = module
