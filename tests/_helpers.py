@@ -362,3 +362,13 @@ def triton_interpreter_problem() -> str | None:
     """Why Triton's CPU interpreter does not run the kernels as a GPU does, or None (tests/_triton_interpreter.py)."""
     import _triton_interpreter
     return _triton_interpreter.problem()
+
+
+def fsdp2_on_cpu_skip_reason() -> str | None:
+    """Why FSDP2 (fully_shard) cannot run on CPU with this torch, or None. Before 2.7,
+    fully_shard records stream events on its device's streams, and torch.cpu.Stream has no
+    record_event (torch's own AttributeError, in its all-gather); on CUDA 2.6 runs it."""
+    if hasattr(torch.cpu.Stream, "record_event"):
+        return None
+    return (f"FSDP2 on CPU needs torch >= 2.7: torch {torch.__version__}'s fully_shard calls "
+            "torch.cpu.Stream.record_event, which it lacks (on CUDA it runs)")

@@ -31,13 +31,17 @@ from ..layout import kernel_view
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
+# torch.addmm(out_dtype=) is torch 2.8's (its aten overload "dtype"): before it, the operands are
+# widened on CUDA too.
+_ADDMM_HAS_OUT_DTYPE = "dtype" in torch.ops.aten.addmm.overloads()
+
 
 def _gemm_into(buffer: Tensor, a: Tensor, b: Tensor, beta: float, alpha: float, native_out_dtype: bool) -> None:
     """buffer <- beta * buffer + alpha * (a @ b), in the buffer's fp32. ``native_out_dtype``
     (CUDA): bf16/fp16 operands go to the GEMM as they are, accumulating into an fp32 output
-    (torch.addmm(out_dtype=), CUDA-only in torch); elsewhere they are widened first (on CPU
-    addmm has no low-precision inputs with an fp32 output)."""
-    if native_out_dtype and a.dtype in _LOW_PRECISION and b.dtype == a.dtype:
+    (torch.addmm(out_dtype=), CUDA-only in torch, from 2.8); elsewhere they are widened first (on
+    CPU addmm has no low-precision inputs with an fp32 output)."""
+    if native_out_dtype and _ADDMM_HAS_OUT_DTYPE and a.dtype in _LOW_PRECISION and b.dtype == a.dtype:
         torch.addmm(buffer, a, b, out_dtype=buffer.dtype, beta=beta, alpha=alpha, out=buffer)
     else:
         buffer.addmm_(a.to(buffer.dtype), b.to(buffer.dtype), beta=beta, alpha=alpha)
