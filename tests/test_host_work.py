@@ -241,7 +241,12 @@ def test_a_gpus_gradient_launches_what_accumulate_grad_does(monkeypatch, mode, w
     for i in range(K + 1, 2 * K - 1):  # (the second window's middle micro-batches)
         extra = ours[i] - native[i]
         assert not native[i] - ours[i], f"micro-batch {i}: fewer ops than native? {native[i] - ours[i]}"
-        allowed = collections.Counter({"aten.detach.default": 1})
+        # A detach is a view (a new TensorImpl, no kernel): one per pass, for the one gradient
+        # Python takes; torch 2.6 (run by hand; 2.11 and 2.13 make one) makes it two, AccumulateGrad's own
+        # detach of that gradient as it stores it. Never one per parameter.
+        detaches = extra.pop("aten.detach.default", 0)
+        assert 1 <= detaches <= 2, f"micro-batch {i}: {detaches} detaches more than the native loop's"
+        allowed = collections.Counter()
         if weight is not None:
             allowed["aten.mul.Scalar"] = PARAMS - 1
             allowed["aten.mul.Tensor"] = 1

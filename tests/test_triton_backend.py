@@ -40,12 +40,18 @@ def _device() -> torch.device | None:
     return None
 
 
+def _kernels_skip_reason() -> str | None:
+    if DEVICE is None:
+        return ("backend 'triton' needs a CUDA device, or TRITON_INTERPRET=1 in the environment to run its "
+                "kernels on CPU through Triton's interpreter (Triton reads it when the kernels are defined)")
+    if DEVICE.type == "cpu":  # an interpreter that runs them as a GPU does (tests/_triton_interpreter.py)
+        from _helpers import triton_interpreter_problem
+        return triton_interpreter_problem()
+    return None
+
+
 DEVICE = _device()
-needs_kernels = pytest.mark.skipif(
-    DEVICE is None,
-    reason="backend 'triton' needs a CUDA device, or TRITON_INTERPRET=1 in the environment to run its "
-    "kernels on CPU through Triton's interpreter (Triton reads it when the kernels are defined)",
-)
+needs_kernels = pytest.mark.skipif(_kernels_skip_reason() is not None, reason=str(_kernels_skip_reason()))
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +153,11 @@ def test_supports(tb):
         assert not tb.supports(torch.device("cuda"), torch.float32)
     else:
         assert not tb.supports(torch.device("cpu"), torch.float32)
+
+
+def _triton_version() -> str:
+    import triton
+    return triton.__version__
 
 
 # ------------------------------------------------------------------ compilation and caching
@@ -268,14 +279,20 @@ def test_tables_are_cached_and_launches_are_few(tb, monkeypatch):
 def test_kernels_compile_for_cuda(tmp_path):
     # The interpreter does not type-check like the compiler does: compile every kernel, with
     # every option on, for sm_80 and sm_90 (no GPU needed), and check that full tiles use
-    # 128-bit loads.
+    # 128-bit loads. It drives Triton's compiler through its internals (the JIT's binder and
+    # argument packing, 3.6 to 3.9 here): where those differ (Triton 3.2, torch 2.6's pin), the
+    # check is skipped saying so; a kernel that fails to compile fails it.
     result = _python(
         """
-        import json, re, torch, triton, triton.language as tl
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import make_backend
-        from triton.runtime.jit import create_function_from_signature
+        import json, re, sys, torch, triton, triton.language as tl
         from accum_fused.backends import _triton_kernels as K
+        try:
+            from triton.backends.compiler import GPUTarget
+            from triton.compiler import make_backend
+            from triton.runtime.jit import create_function_from_signature
+        except ImportError as exc:
+            print(json.dumps({"internals": f"{type(exc).__name__}: {exc}"}))
+            sys.exit(0)
 
         class Arg:  # what the binder reads of a tensor argument
             def __init__(self, dtype): self.dtype = dtype
@@ -309,9 +326,13 @@ def test_kernels_compile_for_cuda(tmp_path):
             backend = make_backend(target)
             for name, (kernel, args, kwargs) in cases.items():
                 kwargs = {**kwargs, **K.LAUNCH_OPTIONS}
-                binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-                bound, spec, opts = binder(*args, **kwargs)
-                options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, opts)
+                try:
+                    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+                    bound, spec, opts = binder(*args, **kwargs)
+                    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, opts)
+                except (AttributeError, TypeError, ValueError) as exc:
+                    print(json.dumps({"internals": f"{type(exc).__name__}: {exc}"}))
+                    sys.exit(0)
                 src = triton.compiler.ASTSource(kernel, signature, constexprs, attrs)
                 ptx = triton.compile(src, target=target, options=options.__dict__).asm["ptx"]
                 out[f"{name}-sm{arch}"] = dict(v4=ptx.count("ld.global.v4"), fma=len(re.findall(r"\\bfma\\.", ptx)),
@@ -324,6 +345,8 @@ def test_kernels_compile_for_cuda(tmp_path):
         pytest.skip("Triton's CUDA toolchain (ptxas) is not installed")
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
+    if "internals" in report:
+        pytest.skip(f"Triton {_triton_version()}'s JIT internals differ from those this check drives: {report['internals']}")
     assert len(report) == 14
     for name, found in report.items():
         assert found["approx"] == 0, (name, found)  # correctly rounded div and sqrt
@@ -586,7 +609,8 @@ def test_a_triton_before_3_4_loads_interpreted_as_its_jit_reads_it():
     result = _python(
         """
         import triton
-        del triton.knobs
+        if hasattr(triton, "knobs"):
+            del triton.knobs
         import accum_fused
         from accum_fused.backends import _load, unavailable_reasons
         print(repr((accum_fused.available_backends(), unavailable_reasons().get("triton"),
