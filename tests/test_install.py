@@ -54,8 +54,8 @@ def _setup_function(name: str):
     ("sm_100", "compute_80 compute_90", ""),  # nothing in common: the build must say so
     ("", "compute_90", ""),                   # a torch that does not say
 ])
-def test_a_build_with_no_gpu_visible_targets_the_cards_torch_and_nvcc_share(tmp_path, monkeypatch,
-                                                                           torch_archs, nvcc_lists, expected):
+def test_a_build_with_no_gpu_visible_targets_the_cards_torch_and_nvcc_share(tmp_path, torch_archs, nvcc_lists,
+                                                                           expected):
     """setup.py with a CUDA torch, nvcc and no GPU visible (where torch's BuildExtension fails with
     a bare IndexError): TORCH_CUDA_ARCH_LIST from the cards the torch was built for that nvcc can
     compile for."""
