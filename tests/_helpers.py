@@ -372,3 +372,11 @@ def fsdp2_on_cpu_skip_reason() -> str | None:
         return None
     return (f"FSDP2 on CPU needs torch >= 2.7: torch {torch.__version__}'s fully_shard calls "
             "torch.cpu.Stream.record_event, which it lacks (on CUDA it runs)")
+
+
+
+def needs_fsdp2_on_cpu(what: str = ""):
+    """The skip mark of a test that runs FSDP2 on CPU (``what``: the part of it that does)."""
+    import pytest
+    reason = fsdp2_on_cpu_skip_reason()
+    return pytest.mark.skipif(reason is not None, reason=f"{what}{reason}")

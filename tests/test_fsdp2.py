@@ -17,10 +17,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 from _fsdp_worker import case_ids  # noqa: E402  (imports torch.distributed)
-from _helpers import (finished_apart_from_gloo_exit_abort, fsdp2_on_cpu_skip_reason, run_ranks,  # noqa: E402
+from _helpers import (finished_apart_from_gloo_exit_abort, needs_fsdp2_on_cpu, run_ranks,  # noqa: E402
                       worker_backends)
-
-needs_fsdp2_on_cpu = pytest.mark.skipif(fsdp2_on_cpu_skip_reason() is not None, reason=str(fsdp2_on_cpu_skip_reason()))
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
 WORLD_SIZE = 2
@@ -32,7 +30,7 @@ def rank_results(tmp_path_factory) -> list[dict[str, str]]:
     return run_ranks(WORKER, tmp_path_factory.mktemp("fsdp"), WORLD_SIZE, TIMEOUT_S)
 
 
-@needs_fsdp2_on_cpu
+@needs_fsdp2_on_cpu()
 @pytest.mark.parametrize("case", case_ids(worker_backends()))
 def test_two_ranks(rank_results, case):
     for rank, results in enumerate(rank_results):
@@ -40,7 +38,7 @@ def test_two_ranks(rank_results, case):
         assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
 
 
-@needs_fsdp2_on_cpu
+@needs_fsdp2_on_cpu()
 def test_readme_fsdp2_example_runs():
     """`torchrun --nproc-per-node 2 examples/fsdp2.py`, as docs/guides/fsdp2.md writes it (it checks
     itself against a single-process AdamW on the big batch)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import built_without_extension, fsdp2_on_cpu_skip_reason
+from _helpers import built_without_extension, needs_fsdp2_on_cpu
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
@@ -24,8 +24,7 @@ needs_extension = pytest.mark.skipif(built_without_extension(),
                                      reason="installed without the extension: the dry run's build check would fail")
 
 # Its fsdp stage runs FSDP2 on CPU (a GPU run, on CUDA).
-needs_fsdp2_on_cpu = pytest.mark.skipif(fsdp2_on_cpu_skip_reason() is not None,
-                                        reason=f"the dry run's fsdp stage: {fsdp2_on_cpu_skip_reason()}")
+needs_fsdp2_on_dry_run_cpu = needs_fsdp2_on_cpu("the dry run's fsdp stage: ")
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash"),
@@ -43,7 +42,7 @@ def test_usage_error_without_outdir():
 
 
 @needs_extension
-@needs_fsdp2_on_cpu
+@needs_fsdp2_on_dry_run_cpu
 def test_dry_run(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable}
@@ -98,7 +97,7 @@ def test_dry_run(tmp_path):
 
 
 @needs_extension
-@needs_fsdp2_on_cpu
+@needs_fsdp2_on_dry_run_cpu
 def test_failing_stage_is_recorded_and_fails_the_run(tmp_path):
     """A stage that fails does not stop the later ones; summary.md says which, and the exit
     status is non-zero. (Bench arguments that argparse refuses make the bench stage fail fast.)"""

@@ -21,7 +21,7 @@ from torch import nn
 
 import accum_fused
 from accum_fused.nn import window_batchnorm
-from accum_fused.nn.batchnorm import STATE_KEY
+from accum_fused.nn.batchnorm import ORDERED_EFFECTS, STATE_KEY
 
 from _helpers import RaisingBackward
 
@@ -281,7 +281,7 @@ def test_a_module_called_twice_updates_once_per_call(name, momentum):
     assert int(model.bn.num_batches_tracked) == 2 * len(windows)  # the big batch's: one per call
 
 
-@pytest.mark.skipif(not hasattr(torch.library.CustomOpDef, "register_effect"),
+@pytest.mark.skipif(not ORDERED_EFFECTS,
                     reason="before torch 2.10 the compiled record is a graph break, which this test's "
                            "fullgraph=True refuses (test_compiled_forwards_record_every_micro_batch checks the refusal)")
 def test_a_compiled_module_called_twice_keeps_call_order():
@@ -400,9 +400,6 @@ def _compiled(form: str, model, opt, mode: str):
     return model, train_step
 
 
-# torch >= 2.10: a custom op can declare an ordered effect, and the compiled record is in the graph.
-_ORDERED_EFFECTS = hasattr(torch.library.CustomOpDef, "register_effect")
-
 COMPILE_CASES = [("plain", form) for form in ("torch.compile", "model.compile", "fullgraph", "compiled-opt.step",
                                               "compiled-step-function")]
 COMPILE_CASES += [("B", form) for form in ("torch.compile", "model.compile", "fullgraph")]
@@ -421,7 +418,7 @@ def test_compiled_forwards_record_every_micro_batch(mode, form):
            else accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=K))
     window_batchnorm(model, opt)
     forward, step = _compiled(form, model, opt, mode)
-    if form == "fullgraph" and not _ORDERED_EFFECTS:
+    if form == "fullgraph" and not ORDERED_EFFECTS:
         # Before torch 2.10 the compiled record is a graph break (nn/batchnorm.py), which
         # fullgraph=True refuses with dynamo's error (docs/guides/batchnorm.md says so).
         with pytest.raises(torch._dynamo.exc.Unsupported):

@@ -300,7 +300,9 @@ def _(input: Tensor, slot: int) -> None:
     return None
 
 
-if hasattr(_record_op, "register_effect"):  # torch >= 2.10
+# torch >= 2.10: a custom op can declare an ordered effect, and the compiled record stays in the graph.
+ORDERED_EFFECTS = hasattr(_record_op, "register_effect")
+if ORDERED_EFFECTS:
     _record_op.register_effect(torch.library.EffectType.ORDERED)
     _compiled_record = _record_op
 else:
