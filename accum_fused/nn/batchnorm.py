@@ -212,12 +212,13 @@ class _Record:
         holds one (count, mean, m2): one call per micro-batch, the micro-batches so far ended."""
         if "calls" not in saved:
             saved = {"calls": [saved], "per_micro_batch": 1, "micro_batch": None, "made": 0}
-        channels = (module.running_mean.numel(),)
+        channels = module.running_mean.numel()
         calls = []
         for call in saved["calls"]:
-            if call["mean"].shape != channels or call["m2"].shape != channels:
-                raise ValueError(f"the checkpoint's window statistics of BatchNorm {name!r} have "
-                                 f"{tuple(call['mean'].shape)} channels, the module {channels}")
+            if call["mean"].shape != (channels,) or call["m2"].shape != (channels,):
+                raise ValueError(f"the checkpoint's window statistics of BatchNorm {name!r} are of "
+                                 f"{call['mean'].numel()} channels, the module has {channels}: load it with the "
+                                 "model it was saved with")
             device = module.running_mean.device
             calls.append((float(call["count"]), call["mean"].to(device, torch.float64),
                           call["m2"].to(device, torch.float64)))
