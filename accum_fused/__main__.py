@@ -74,11 +74,11 @@ FAST_PATHS = {
 }
 
 
-def _fast_path_lines(extension) -> list[str]:
-    built = getattr(extension, "torch_headers", "unknown")
-    lines = [f"extension compiled against torch {built}; C++ in-backward hooks and plain mode's step table: in"]
+def _fast_path_lines(cpp) -> list[str]:
+    lines = [f"extension compiled against torch {cpp.torch_headers}; C++ in-backward hooks and plain mode's step "
+             "table: in"]
     for name, (what, without) in FAST_PATHS.items():
-        state = "in" if extension.fast_paths.get(name) else f"out ({without})"
+        state = "in" if cpp.fast_paths.get(name) else f"out ({without})"
         lines.append(f"fast path {name}: {state}: {what}")
     return lines
 
@@ -110,10 +110,10 @@ def info_lines() -> list[str]:
             dtypes = [str(dtype).removeprefix("torch.") for dtype in _PARAM_DTYPES if module.supports(device, dtype)]
             if dtypes:
                 runs.append(f"{'/'.join(dtypes)} parameters on {device.type}")
-        extra = f"; extension built with CUDA: {bool(module._C.with_cuda)}" if name == "cpp" else ""
+        extra = f"; extension built with CUDA: {module.with_cuda}" if name == "cpp" else ""
         lines.append(f"backend {name}: available; runs {', '.join(runs) or 'nothing on the devices here'}{extra}")
         if name == "cpp":
-            lines.extend(_fast_path_lines(module._C))
+            lines.extend(_fast_path_lines(module))
     for device in devices:
         picked = backends.resolve(backends.AUTO, device, torch.float32)
         line = f"auto on {device.type}: {picked.name}"

@@ -27,9 +27,9 @@ from torch import Tensor
 
 from . import backends, checkpoint, ddp, distributed, in_backward as hooks
 from .checkpoint import called_from_torch_checkpoint
-from .integrations import guard
+from . import framework_guard as guard
 from .layout import is_dtensor, kernel_view, readable_grad, state_dtype
-from .window import KeptUpdates, Window, WindowListeners
+from .window import UpdatePlan, Window, WindowListeners
 
 
 def _check_weight(weight) -> float:
@@ -490,8 +490,9 @@ class AccumulatingOptimizer:
         and how the last micro-batch folds in."""
         win = self._window
         if not last_grads:  # (every parameter live: the kept lists, one call per group)
-            kept = KeptUpdates.for_window(self, win, build=True)
-            if kept is not None and kept.update(self, win, weight_sum, clip_coef):
+            plan = UpdatePlan.for_window(self, win, build=True)
+            if plan is not None and plan.uniform(self):
+                plan.update(self, plan.buffers_of(win), weight_sum, clip_coef)
                 return
         for group in self.param_groups:
             # (a parameter without a gradient all window is left alone, as torch leaves it)
@@ -520,7 +521,7 @@ class AccumulatingOptimizer:
     _kept_state_entries: dict[str, str] = {}
 
     def _state_lists_stand(self, params: list[Tensor], lists: dict[str, list]) -> bool:
-        """Whether ``lists`` (``_state_lists(group, params)``, kept by window.ClosingPlan) still
+        """Whether ``lists`` (``_state_lists(group, params)``, kept by window.UpdatePlan) still
         hold the state's own tensors: a state dict or entry replaced by hand (``opt.state[p] =
         {}``, ``opt.state[p]["exp_avg"] = t``) makes them stale, as torch.optim would read the
         new one. Identity checks only: no tensor is read."""
@@ -541,7 +542,7 @@ class AccumulatingOptimizer:
 
     def _uniform_call_key(self, lists: dict[str, list]) -> bool:
         """Whether the parameters of ``_state_lists``'s ``lists`` share one call key (see
-        ``_call_keys``): window.ClosingPlan asks it before one call updates them all."""
+        ``_call_keys``): window.UpdatePlan asks it before one call updates them all."""
         return True
 
     def _update(self, backend, group, params, buffers, lists=None, **window) -> None:

@@ -206,7 +206,7 @@ class FastPath:
             return None
         from . import backends
         cpp = backends._load("cpp")
-        return None if cpp is None else FastPath(cpp._C)
+        return None if cpp is None else FastPath(cpp)
 
     def hook(self, p: Tensor, python_hook: Callable[[Tensor], None]):
         """Hook ``p`` (``python_hook`` for what the extension does not take); returns the
@@ -306,23 +306,23 @@ class FastPath:
 
     def _arm_folds_from_kept(self, opt, mb: BackwardPass, first: Tensor) -> bool:
         """``arm`` for a pass that folds every parameter's update into its hook, from the
-        update's kept lists (window.KeptUpdates: every parameter live, the state standing) with
+        update's kept lists (window.UpdatePlan: every parameter live, the state standing) with
         no Python loop over the parameters: what ``_FoldArgs`` would find for each, where each
         group shares one step count and runs on the cpp backend. False, with nothing armed, where
         the loop must do it."""
         from .backends import cpp_backend
-        from .window import KeptUpdates
+        from .window import UpdatePlan
         win = opt._window
         # (built here once every parameter has state: a first update creates it in Python)
-        kept = KeptUpdates.for_window(opt, win, build=len(opt.state) >= len(win.live))
-        if kept is None or not hasattr(opt, "_hyperparameters"):
+        kept = UpdatePlan.for_window(opt, win, build=len(opt.state) >= len(win.live))
+        if kept is None or not kept.complete or not hasattr(opt, "_hyperparameters"):
             return False
         params = opt._all_params()
         slots = list(self.slots_of(params))
         if None in slots:
             return False
         specs, spec_of, states = [], [], ([], [], [], [])
-        for group, group_params, lists, backend in kept.calls:
+        for group, group_params, lists, backend, _ in kept.calls:
             n = len(group_params)
             if backend is not cpp_backend or by_torch_ops(group_params[0]) \
                     or not _folds_in_extension(group_params[0], group) \

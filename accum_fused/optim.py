@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import backends, checkpoint, distributed
 from .base import AccumulatingOptimizer, check_accumulation_steps
-from .integrations import guard
+from . import framework_guard as guard
 from .backends.reference import BF16_UPDATES, hash32
 from .layout import kernel_view, like_param, state_dtype
 
@@ -190,7 +190,7 @@ class SGD(_Bf16Rounding, AccumulatingOptimizer, torch.optim.SGD):
                     maximize=group["maximize"])
 
     def _state_lists(self, group, params) -> dict[str, list]:
-        """The per-parameter tensors of one ``_update`` call (window.ClosingPlan keeps them
+        """The per-parameter tensors of one ``_update`` call (window.UpdatePlan keeps them
         while the optimizer state stays the same: not while a momentum buffer is still None)."""
         # .get on the defaultdict: SGD without momentum keeps no per-parameter entry, as torch.
         states = [self.state.get(p) for p in params]
@@ -267,7 +267,7 @@ class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
     def _uniform_call_key(self, lists: dict[str, list]) -> bool:
         from . import backends
         cpp = backends._load("cpp")
-        equal = None if cpp is None else cpp._C.equal_scalars(lists["steps"])  # (CPU step counts: no stack)
+        equal = None if cpp is None else cpp.equal_scalars(lists["steps"])  # (CPU step counts: no stack)
         if equal is not None:
             return equal
         try:
@@ -295,7 +295,7 @@ class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
             self._init_rounding_state(group, [p for p in group["params"] if p.requires_grad])
 
     def _state_lists(self, group, params) -> dict[str, list]:
-        """The per-parameter tensors of one ``_update`` call (window.ClosingPlan keeps them
+        """The per-parameter tensors of one ``_update`` call (window.UpdatePlan keeps them
         while the optimizer state stays the same)."""
         states = [self._init_param_state(p, group) for p in params]
         return dict(states=states, steps=[s["step"] for s in states], params=[kernel_view(p) for p in params],

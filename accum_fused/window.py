@@ -31,7 +31,7 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
-from . import ddp
+from . import backends, ddp
 from .backends._kernel_args import device_scalar
 from .layout import ELEMENTWISE_STATE, conform_state, kernel_view, state_dtype
 
@@ -127,21 +127,21 @@ class Window:
         # dropped, loaded); not by adoptions, live flags or the buffers a window lets go of
         # (in_backward.FastPath's window-start lists are true to it).
         self.buffers_version = 0
-        # The update's per-parameter lists, kept between closes while they stand (KeptUpdates).
-        self.kept_updates: KeptUpdates | None = None
+        # The update's per-parameter lists, kept between closes while they stand (UpdatePlan).
+        self.update_plan: UpdatePlan | None = None
         # in_backward's extension hooks (csrc/hooks.cpp's HookState), whose lists for the next
         # pass hold buffers of the window (adopted gradients): let go of when it is emptied.
         self.hook_state = None
 
     def __getstate__(self) -> dict:
         # (the extension's table is not picklable; a copy builds its own)
-        return {**self.__dict__, "step_table": None, "table_blocked": False, "kept_updates": None,
+        return {**self.__dict__, "step_table": None, "table_blocked": False, "update_plan": None,
                 "hook_state": None}
 
     def __setstate__(self, state: dict) -> None:
         # An optimizer pickled before out-of-memory recovery (or the step table) has a window without its fields.
         self.__dict__.update(parts_left=0, complete=set(), transaction=False, part_serial=0, closings=0,
-                             step_table=None, table_blocked=False, version=0, buffers_version=0, kept_updates=None,
+                             step_table=None, table_blocked=False, version=0, buffers_version=0, update_plan=None,
                              hook_state=None)
         self.__dict__.update(state)
 
@@ -255,7 +255,7 @@ class Window:
         plan = None
         if closing:
             try:
-                plan = ClosingPlan.for_window(opt, self, table, present)
+                plan = table.closing_plan(opt, self, present)
             finally:
                 if plan is None:  # (refused, or raised: the table must not keep the gradients alive)
                     table.cpp.drop_checked()
@@ -265,7 +265,7 @@ class Window:
         weight = self.enter_weight(weight)
         self._count_micro_batch(opt, weight, found_inf)
         if closing:
-            plan.close(opt, self, weight, grad_scale)
+            table.close(opt, self, plan, weight, grad_scale)
             return True
         newly_live, _, given, given_buffers, adopted = table.cpp.take(
             weight, device_scalar(grad_scale, table.device), opt.accumulation_steps > 1)
@@ -465,10 +465,10 @@ class Window:
 
     def conform_live(self, opt) -> None:
         """``conform`` of every live parameter before the window closes: where every parameter
-        is live and the update's lists are kept (KeptUpdates), one extension call checks that
+        is live and the update's lists are kept (UpdatePlan), one extension call checks that
         nothing needs to follow its parameter, instead of a Python loop over them."""
-        kept = KeptUpdates.for_window(opt, self, build=False)
-        if kept is None or not kept.conforms(opt, self):
+        plan = UpdatePlan.for_window(opt, self, build=False)
+        if plan is None or not plan.conforms(opt, self):
             self.conform(opt, list(self.live), closing=True)
 
     def conform(self, opt, params, closing: bool) -> None:
@@ -501,13 +501,13 @@ class Window:
 
     # ------------------------------------------------------------------------- closing
     def close(self, opt, last_pairs=(), last_weight: float = 1.0, grad_scale: Tensor | None = None,
-              norms: dict | None = None, flushing: bool = False, plan: ClosingPlan | None = None) -> bool:
+              norms: dict | None = None, flushing: bool = False, update=None) -> bool:
         """Close the window: agree with the other ranks (sums, weight total, non-finite flags),
         skip it if a micro-batch was non-finite or no parameter received a gradient, otherwise
         clip and update. ``last_pairs`` is the last micro-batch, not yet accumulated (folded into
         the update pass); ``norms`` the per-parameter window-gradient norms already computed.
-        ``plan``: the step table's ClosingPlan updates instead of ``opt._apply_window`` (the last
-        micro-batch and the norms are then its own). Sets and returns ``updated``."""
+        ``update(weight_sum)``: the step table's close updates instead of ``opt._apply_window`` (the
+        last micro-batch and the norms are then its own). Sets and returns ``updated``."""
         self.closings += 1
         weight_sum, skip, clip_coef = self._agree(opt, flushing)
         # An empty window (no gradient anywhere: no micro-batch on any rank, or only None grads)
@@ -516,8 +516,8 @@ class Window:
         closed = False
         try:
             if applied:
-                if plan is not None:
-                    plan.update(opt, self, last_weight, grad_scale, weight_sum)
+                if update is not None:
+                    update(weight_sum)
                 else:
                     if opt.max_grad_norm is not None and clip_coef is None:
                         clip_coef = self._clip_coefficient(opt, weight_sum, norms or {})
@@ -671,7 +671,6 @@ class StepTable:
     def __init__(self, cpp, params: list[Tensor], buffered: set, device: torch.device, version: int) -> None:
         self.cpp, self.params, self.buffered, self.device, self.version = cpp, params, buffered, device, version
         self.state_conformed = False  # conform_state ran since it was built (what moves state makes it stale)
-        self.closing_plan: ClosingPlan | None = None
 
     @staticmethod
     def build(opt, win: Window) -> StepTable | None:
@@ -680,7 +679,6 @@ class StepTable:
         run, fused=True groups (torch's device checks), a live buffer that must follow its
         parameter first (Window.conform). A stale buffer that no longer fits its parameter is
         dropped here, as Window.conform drops it: the table then vouches for every buffer."""
-        from . import backends
         cpp = backends._load("cpp")
         params = opt._all_params()
         if cpp is None or not params or any(group.get("fused") for group in opt.param_groups):
@@ -701,138 +699,82 @@ class StepTable:
         live = [p in win.live for p in params]
         adopted = [p in win.adopted for p in params]
         # (DDP's buffers are views of its flat buckets: not to be replaced by gradients)
-        table = cpp._C.StepTable(params, buffers, live, adopted, may_adopt=win.sync is None and win.shards is None)
+        table = cpp.StepTable(params, buffers, live, adopted, may_adopt=win.sync is None and win.shards is None)
         return StepTable(table, params, {p for p, buf in zip(params, buffers) if buf is not None}, device, win.version)
 
-
-class ClosingPlan:
-    """A window's closing micro-batch in plain mode with the step table, and the update, with
-    no Python loop over the parameters: what add_micro_batch and ``opt._apply_window`` do, for
-    the case training loops give, where every parameter of the table has a gradient in the
-    closing micro-batch, all of them live in the window (or none: accumulation_steps=1), each
-    param group of one dtype and one call key (Adam's step count). The per-parameter lists of
-    the update calls (``opt._state_lists``) are kept on the step table while the groups'
-    list-shaping flags stand and every kept tensor is still the one its state entry holds
-    (``opt._state_lists_stand``: a state loaded, or replaced by hand, is read anew, as
-    torch.optim reads it)."""
-
-    def __init__(self, table: StepTable, calls: list, cacheable: bool) -> None:
-        self.table, self.calls, self.cacheable = table, calls, cacheable
-        self.key: tuple | None = None  # state_key when the lists were built
-        self.last_grads: list[Tensor] | None = None  # the closing micro-batch, when folded into the update
-        self.overwrite = False
-        self.norms: Tensor | None = None
-
-    @staticmethod
-    def for_window(opt, win: Window, table: StepTable, present: int) -> ClosingPlan | None:
-        """The plan for closing ``win`` now (the table's check found ``present`` gradients), or
-        None with nothing changed where add_micro_batch must close it. Validates first, as
-        add_micro_batch does: every buffer fits (the table's check), the state is conformed."""
-        n = len(table.params)
-        if present != n or table.cpp.live_count not in (0, n) or not hasattr(opt, "_state_lists"):
+    def closing_plan(self, opt, win: Window, present: int) -> UpdatePlan | None:
+        """How the window's closing micro-batch and the update run with no Python loop over the
+        parameters (the table's check found ``present`` gradients): the case training loops
+        give, where every parameter of the table has a gradient in the closing micro-batch, all
+        of them live in the window (or none: accumulation_steps=1), each param group of one
+        dtype and one call key (Adam's step count). None, with nothing changed, where
+        add_micro_batch must close it. Validates first, as add_micro_batch does: every buffer
+        fits (the table's check), the state is conformed."""
+        n = len(self.params)
+        if present != n or self.cpp.live_count not in (0, n) or not hasattr(opt, "_state_lists"):
             return None
-        if table.cpp.missing_buffers():  # (a closing micro-batch without live buffers: Window.buffer allocates)
+        if self.cpp.missing_buffers():  # (a closing micro-batch without live buffers: Window.buffer allocates)
             return None
-        if not table.cpp.conforms():
+        if not self.cpp.conforms():
             return None
-        if not table.state_conformed:
-            conform_state(opt.state, table.params, opt._param_name, opt._state_dtype_of)
-            table.state_conformed = True
-        plan = table.closing_plan
-        if plan is None or not plan.current(opt):
-            plan = ClosingPlan.build(opt, win, table)
-            if plan is None:
-                return None
-            plan.key = ClosingPlan.state_key(opt)
-            table.closing_plan = plan if plan.cacheable else None
-        if not all(opt._uniform_call_key(lists) for _, _, lists, _, _ in plan.calls):
-            return None
-        return plan
+        if not self.state_conformed:
+            conform_state(opt.state, self.params, opt._param_name, opt._state_dtype_of)
+            self.state_conformed = True
+        plan = UpdatePlan.for_window(opt, win, build=True, every_live=False)
+        return plan if plan is not None and plan.count == n and plan.uniform(opt) else None
 
-    def current(self, opt) -> bool:
-        return self.key == ClosingPlan.state_key(opt) and all(
-            opt._state_lists_stand(params, lists) for _, params, lists, _, _ in self.calls)
-
-    @staticmethod
-    def state_key(opt) -> tuple:
-        """What the kept lists' shape depends on beyond the step table: the group flags that add
-        lists (amsgrad, momentum). Their tensors are checked by identity (``_state_lists_stand``)."""
-        return tuple((group.get("amsgrad"), group.get("momentum", 0) != 0) for group in opt.param_groups)
-
-    @staticmethod
-    def build(opt, win: Window, table: StepTable) -> ClosingPlan | None:
-        calls, start, cacheable = [], 0, True
-        for group in opt.param_groups:
-            params = group["params"]
-            if not params:
-                continue
-            if any(p.dtype != params[0].dtype for p in params):
-                return None
-            lists = opt._state_lists(group, params)
-            cacheable &= not any(t is None for values in lists.values() for t in values)
-            calls.append((group, params, lists, opt._backend_for(params[0]), slice(start, start + len(params))))
-            start += len(params)
-        return ClosingPlan(table, calls, cacheable)
-
-    def close(self, opt, win: Window, weight: float, grad_scale: Tensor | None) -> None:
-        """Take the closing micro-batch (counted by the caller) and close ``win``."""
-        table, clear = self.table, opt.accumulation_steps > 1
+    def close(self, opt, win: Window, plan: UpdatePlan, weight: float, grad_scale: Tensor | None) -> None:
+        """Take the closing micro-batch (counted by the caller) and close ``win`` with ``plan``."""
+        clear = opt.accumulation_steps > 1
+        last = norms = None
         if opt._folds_last_micro_batch and opt.max_grad_norm is None:
-            self.last_grads, self.overwrite = table.cpp.present_grads(), table.cpp.live_count == 0
-            table.cpp.release(clear)  # (the list keeps the gradients for the update pass)
+            last = dict(grads=self.cpp.present_grads(), weight=weight, overwrite=self.cpp.live_count == 0,
+                        grad_scale=grad_scale)
+            self.cpp.release(clear)  # (the list keeps the gradients for the update pass)
         else:
             norm_weight_sum = win.weight_sum if opt.max_grad_norm is not None else None
             # (every buffer is live at closing: none given, so no return but the norms matters)
-            self.norms = table.cpp.take(weight, device_scalar(grad_scale, table.device), clear, norm_weight_sum)[1]
-        win.live.update(table.buffered)
-        try:
-            win.close(opt, (), weight, grad_scale, plan=self)
-        finally:
-            self.last_grads = self.norms = None
+            norms = self.cpp.take(weight, device_scalar(grad_scale, self.device), clear, norm_weight_sum)[1]
+        win.live.update(self.buffered)
 
-    def update(self, opt, win: Window, last_weight: float, grad_scale: Tensor | None, weight_sum: float) -> None:
-        """Window.close's update: one ``opt._update`` call per param group."""
-        clip_coef = None if opt.max_grad_norm is None else win.clip_for(opt, torch.linalg.vector_norm(self.norms))
-        all_buffers = self.table.cpp.buffers()  # (not kept with the lists: adopted buffers are new each window)
-        for group, params, lists, backend, span in self.calls:
-            buffers = all_buffers[span]
-            last = {}
-            if self.last_grads is not None:
-                last = dict(grads=self.last_grads[span], weight=last_weight, overwrite=self.overwrite,
-                            grad_scale=grad_scale)
-            opt._update(backend, group, params, buffers, lists=lists, weight_sum=weight_sum, clip_coef=clip_coef,
-                        **last)
+        def update(weight_sum: float) -> None:
+            clip_coef = None if norms is None else win.clip_for(opt, torch.linalg.vector_norm(norms))
+            # (buffers read now, not kept with the plan: adopted buffers are new each window)
+            plan.update(opt, self.cpp.buffers(), weight_sum, clip_coef, last)
+        win.close(opt, (), weight, grad_scale, update=update)
 
 
-class KeptUpdates:
+class UpdatePlan:
     """Per param group, the arguments of one ``opt._update`` call besides the buffers and the
-    window's scalars (``opt._state_lists``), kept on the window between closes, for windows in
-    which every parameter is live: ``_apply_window`` then updates each group in one call without
-    a Python loop over its parameters (issue 31: the in-backward modes' close), and one
-    extension call checks that the buffers and state fit their parameters (``conforms``, instead
-    of Window.conform's loop). Kept while they stand: the param groups hold the same parameters
-    in the same order, the groups' list-shaping flags stand (``ClosingPlan.state_key``) and every
-    kept state tensor is the one its entry holds (``_state_lists_stand``). Built only where each
-    group is of one dtype and one device, its parameters plain tensors, and no state is missing
-    (SGD's momentum buffers exist after its first update)."""
+    window's scalars (``opt._state_lists``), so that a window in which every parameter is live
+    updates each group in one call, with no Python loop over its parameters: the step table's
+    closing micro-batch (plain mode) and the in-backward modes' close alike. One extension call
+    checks that the buffers and state fit their parameters (``conforms``, instead of
+    Window.conform's loop). Kept on the window between closes while it stands: the param groups
+    hold the same parameters in the same order, the groups' list-shaping flags stand
+    (``state_key``) and every kept state tensor is still the one its entry holds
+    (``opt._state_lists_stand``: a state loaded, or replaced by hand, is read anew, as
+    torch.optim reads it). Built only where each group is of one dtype and one device and its
+    parameters are plain tensors; kept only where no state is missing (SGD's momentum buffers
+    exist after its first update)."""
 
-    def __init__(self, calls: list, key: tuple) -> None:
-        self.calls, self.key = calls, key  # calls: (group, params (a copy), lists, backend)
-        self.count = sum(len(params) for _, params, _, _ in calls)
+    def __init__(self, calls: list, key: tuple, complete: bool) -> None:
+        self.calls, self.key, self.complete = calls, key, complete  # calls: (group, params, lists, backend, span)
+        self.count = sum(len(params) for _, params, _, _, _ in calls)
 
     @staticmethod
-    def for_window(opt, win: Window, build: bool) -> KeptUpdates | None:
-        """The kept lists, when every parameter is live in ``win`` and they stand; else built
-        anew where ``build`` (the update creates the state they hold) and they can be."""
+    def for_window(opt, win: Window, build: bool, every_live: bool = True) -> UpdatePlan | None:
+        """The plan, when it stands (and ``every_live``: every parameter is live in ``win``);
+        else built anew where ``build`` (the update creates the state it holds) and it can be."""
         if not hasattr(opt, "_state_lists") or win.shards is not None:
             return None
-        kept = win.kept_updates
-        if kept is not None and len(win.live) == kept.count and kept.stand(opt):
-            return kept
-        win.kept_updates = None
-        if not build or len(win.live) != sum(len(group["params"]) for group in opt.param_groups):
+        plan = win.update_plan
+        if plan is not None and (not every_live or len(win.live) == plan.count) and plan.stand(opt):
+            return plan
+        win.update_plan = None
+        if not build or (every_live and len(win.live) != sum(len(group["params"]) for group in opt.param_groups)):
             return None  # (and no state is created for a parameter the window leaves alone)
-        calls = []
+        calls, start, complete = [], 0, True
         for group in opt.param_groups:
             params = list(group["params"])
             if not params:
@@ -841,44 +783,58 @@ class KeptUpdates:
             if any(p.dtype != first.dtype or p.device != first.device or kernel_view(p) is not p for p in params):
                 return None
             lists = opt._state_lists(group, params)
-            if any(t is None for values in lists.values() for t in values):
-                return None  # (state that the update creates: read again at the next close)
-            calls.append((group, params, lists, opt._backend_for(first)))
-        win.kept_updates = KeptUpdates(calls, ClosingPlan.state_key(opt))
-        return win.kept_updates
+            complete &= not any(t is None for values in lists.values() for t in values)
+            calls.append((group, params, lists, opt._backend_for(first), slice(start, start + len(params))))
+            start += len(params)
+        plan = UpdatePlan(calls, UpdatePlan.state_key(opt), complete)
+        if complete:  # (state that the update creates: read again at the next close)
+            win.update_plan = plan
+        return plan
+
+    @staticmethod
+    def state_key(opt) -> tuple:
+        """What the kept lists' shape depends on beyond the parameters: the group flags that add
+        lists (amsgrad, momentum). Their tensors are checked by identity (``_state_lists_stand``)."""
+        return tuple((group.get("amsgrad"), group.get("momentum", 0) != 0) for group in opt.param_groups)
 
     def stand(self, opt) -> bool:
         groups = [group for group in opt.param_groups if group["params"]]
-        return (self.key == ClosingPlan.state_key(opt) and len(groups) == len(self.calls)
+        return (self.key == UpdatePlan.state_key(opt) and len(groups) == len(self.calls)
                 and all(group is kept_group and len(group["params"]) == len(params)
                         and all(map(operator.is_, group["params"], params))
                         and opt._state_lists_stand(params, lists)
-                        for group, (kept_group, params, lists, _) in zip(groups, self.calls)))
+                        for group, (kept_group, params, lists, _, _) in zip(groups, self.calls)))
+
+    def uniform(self, opt) -> bool:
+        """Whether each group's parameters share one call key (Adam's step count): one call each."""
+        return all(opt._uniform_call_key(lists) for _, _, lists, _, _ in self.calls)
 
     def conforms(self, opt, win: Window) -> bool:
         """Whether Window.conform and conform_state would change nothing for the window's live
         parameters (all of them): one extension call per group."""
-        from . import backends
         cpp = backends._load("cpp")
         if cpp is None:
             return False
-        for _, params, lists, _ in self.calls:
+        for _, params, lists, _, _ in self.calls:
             tensors = [list(map(win.buffers.__getitem__, params))]
             tensors += [lists[name] for name, key in opt._kept_state_entries.items()
                         if key in ELEMENTWISE_STATE and lists[name]]
-            if not cpp._C.state_fits(params, tensors):
+            if not cpp.state_fits(params, tensors):
                 return False
         return True
 
-    def update(self, opt, win: Window, weight_sum: float, clip_coef: Tensor | None) -> bool:
-        """``opt._apply_window`` without a last micro-batch to fold in: one ``_update`` per group;
-        False, with nothing changed, where a group's parameters do not share a call key."""
-        if not all(opt._uniform_call_key(lists) for _, _, lists, _ in self.calls):
-            return False
-        for group, params, lists, backend in self.calls:
-            opt._update(backend, group, params, list(map(win.buffers.__getitem__, params)), lists=lists,
-                        weight_sum=weight_sum, clip_coef=clip_coef)
-        return True
+    def update(self, opt, buffers: list[Tensor], weight_sum: float, clip_coef: Tensor | None,
+               last: dict | None = None) -> None:
+        """Window.close's update (``uniform`` holds): one ``opt._update`` per group. ``buffers``
+        and ``last["grads"]`` (a last micro-batch folded into the update pass) are aligned with
+        the plan's parameters, group after group."""
+        for group, params, lists, backend, span in self.calls:
+            fold = {} if last is None else {**last, "grads": last["grads"][span]}
+            opt._update(backend, group, params, buffers[span], lists=lists, weight_sum=weight_sum,
+                        clip_coef=clip_coef, **fold)
+
+    def buffers_of(self, win: Window) -> list[Tensor]:
+        return [win.buffers[p] for _, params, _, _, _ in self.calls for p in params]
 
 
 def window_listeners(opt) -> WindowListeners:

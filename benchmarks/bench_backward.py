@@ -27,7 +27,7 @@ its own copy of the parameters, interleaved window by window (the first mover ro
            parameter in its hook without clipping; at the end of backward with clipping)
   fb_only  k x (forward + backward) with hooks that drop each .grad, no optimizer: the floor
            that the model itself costs (not a training loop)
-  plain_python_close  plain with window.ClosingPlan switched off while it runs: its windows
+  plain_python_close  plain with the step table's closing plan switched off while it runs: its windows
            close through Window.add_micro_batch and _apply_window (issue 31's before/after of
            the closing micro-batch, in one run; not in the default set)
 
@@ -141,13 +141,13 @@ class Contender:
         if self.name != "plain_python_close":
             return self._window()
         # (issue 31's A/B: the window closed by Window.add_micro_batch and _apply_window, as
-        # before window.ClosingPlan, in the same run)
-        for_window = accum_fused.window.ClosingPlan.for_window
-        accum_fused.window.ClosingPlan.for_window = staticmethod(lambda *args: None)
+        # before the step table's closing plan, in the same run)
+        closing_plan = accum_fused.window.StepTable.closing_plan
+        accum_fused.window.StepTable.closing_plan = lambda *args: None
         try:
             self._window()
         finally:
-            accum_fused.window.ClosingPlan.for_window = for_window
+            accum_fused.window.StepTable.closing_plan = closing_plan
 
     def _window(self) -> None:
         k, opt, name = self.k, self.opt, self.name

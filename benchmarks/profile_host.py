@@ -8,7 +8,7 @@ backward returns c_p * dloss for every parameter, so the window is mostly optimi
     N=288 D=3072 K=8 python benchmarks/profile_host.py a noclip prof
 
 Contenders: native (torch.optim.AdamW(fused=True), clip_grad_norm_), plain, plain_python_close
-(plain with window.ClosingPlan switched off), a (in_backward mode A), b (mode B), fb (forward +
+(plain with the step table's closing plan switched off), a (in_backward mode A), b (mode B), fb (forward +
 backward only, hooks drop .grad). AdamW lr 1e-3, max_grad_norm 1.0
 unless ``noclip``; N tensors of D fp32 elements, K micro-batches per window, 2 threads.
 Contenders run in separate processes here: compare them only within one sitting, and prefer
@@ -38,8 +38,8 @@ loss_of = cheap_loss(cs)
 
 if mode in ("plain", "plain_python_close"):
     opt = accum_fused.AdamW(params, lr=1e-3, accumulation_steps=K, max_grad_norm=clip)
-    if mode == "plain_python_close":  # (issue 31's A/B: windows closed by add_micro_batch, as before ClosingPlan)
-        accum_fused.window.ClosingPlan.for_window = staticmethod(lambda *args: None)
+    if mode == "plain_python_close":  # (issue 31's A/B: windows closed by add_micro_batch, as before the closing plan)
+        accum_fused.window.StepTable.closing_plan = lambda *args: None
 elif mode == "native":
     opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
 elif mode == "a":

@@ -2,7 +2,7 @@
 
 The extension's hooks keep their lists from pass to pass (advanced as each parameter takes its
 gradient, and a new window's start lists), and the window keeps the update's per-group lists
-between closes (window.KeptUpdates: the close, the conform check and the folding pass without
+between closes (window.UpdatePlan: the close, the conform check and the folding pass without
 a Python loop over the parameters). Every case trains the same model twice from the same start:
 once as it runs, once with Python's hooks alone and the kept lists switched off (the spec), and
 requires bit-equal parameters, optimizer state and counters, with events between windows that
@@ -55,20 +55,19 @@ class Uses:
         self.updates = self.folds = 0
         if spec:
             monkeypatch.setattr(in_backward.FastPath, "for_optimizer", staticmethod(lambda opt: None))
-            monkeypatch.setattr(window_module.KeptUpdates, "for_window", staticmethod(lambda *args, **kw: None))
+            monkeypatch.setattr(window_module.UpdatePlan, "for_window", staticmethod(lambda *args, **kw: None))
             return
-        update, arm_folds = window_module.KeptUpdates.update, in_backward.FastPath._arm_folds_from_kept
+        update, arm_folds = window_module.UpdatePlan.update, in_backward.FastPath._arm_folds_from_kept
 
-        def counted_update(kept, *args):
-            done = update(kept, *args)
-            self.updates += done
-            return done
+        def counted_update(plan, *args):
+            self.updates += 1
+            return update(plan, *args)
 
         def counted_folds(fast_path, *args):
             done = arm_folds(fast_path, *args)
             self.folds += done
             return done
-        monkeypatch.setattr(window_module.KeptUpdates, "update", counted_update)
+        monkeypatch.setattr(window_module.UpdatePlan, "update", counted_update)
         monkeypatch.setattr(in_backward.FastPath, "_arm_folds_from_kept", counted_folds)
 
 
@@ -149,7 +148,7 @@ def test_kept_lists_match_python(monkeypatch, name, mode, clip, event):
     assert len(fast) == len(spec)
     for a, b in zip(fast, spec):
         assert a.dtype == b.dtype and torch.equal(a, b)
-    # The kept paths ran: every window but the first few closes through KeptUpdates (or, in
+    # The kept paths ran: every window but the first few closes through UpdatePlan (or, in
     # mode B without clipping, folds from it), and the Python loop that builds the hooks' lists
     # ran only where something changed.
     # (After a window without a gradient for some parameters, Adam's step counts differ inside

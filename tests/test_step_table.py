@@ -29,12 +29,12 @@ pytestmark = pytest.mark.skipif(built_without_extension(), reason="the step tabl
 
 
 class Counted:
-    """Counts the micro-batches the table took, and of them the closing ones (ClosingPlan);
+    """Counts the micro-batches the table took, and of them the closing ones (StepTable.close);
     ``off`` switches it off (the spec run)."""
 
     def __init__(self, monkeypatch, off: bool) -> None:
         self.taken = self.closed = 0
-        original, original_close = window_module.Window.take_with_table, window_module.ClosingPlan.close
+        original, original_close = window_module.Window.take_with_table, window_module.StepTable.close
 
         def take_with_table(win, *args):
             if off:
@@ -48,7 +48,7 @@ class Counted:
             return original_close(plan, *args)
 
         monkeypatch.setattr(window_module.Window, "take_with_table", take_with_table)
-        monkeypatch.setattr(window_module.ClosingPlan, "close", close)
+        monkeypatch.setattr(window_module.StepTable, "close", close)
 
 
 class Net(nn.Module):
@@ -121,7 +121,7 @@ CASES = {
                                                               accumulation_steps=4, max_grad_norm=0.5)),
     "two_groups": dict(make=lambda ps: _two_groups(ps, accumulation_steps=4, max_grad_norm=0.5)),
 }
-# The cases whose windows the ClosingPlan closes (every parameter has a gradient in every
+# The cases whose windows the step table closes (every parameter has a gradient in every
 # micro-batch), with how many at least: the others close in Python (a parameter without a
 # gradient in the closing micro-batch, GradientAccumulator).
 # (windows 2.. of 23 micro-batches: the first allocates the buffers in Python)

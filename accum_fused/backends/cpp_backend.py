@@ -39,6 +39,16 @@ except ImportError as exc:
 
 name = "cpp"
 
+# The extension's host-side parts, for the front (window.py's step table and plan, in_backward.py's
+# hooks, optim.py, ``info``): this module is the only door to accum_fused._C.
+with_cuda = bool(_C.with_cuda)
+fast_paths = _C.fast_paths
+torch_headers = getattr(_C, "torch_headers", "unknown")
+StepTable = _C.StepTable  # csrc/step_table.cpp
+HookState, FastHook, install_hook, remove_hook = _C.HookState, _C.FastHook, _C.install_hook, _C.remove_hook  # hooks.cpp
+state_fits = _C.state_fits
+equal_scalars = _C.equal_scalars
+
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
