@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .layout import is_dtensor, kernel_view, readable_grad, state_dtype
+from .layout import adoptable, kernel_view, readable_grad
 
 
 # The live in_backward optimizer taking each parameter's gradients (held weakly both ways):
@@ -200,12 +200,8 @@ class FastPath:
 
     @staticmethod
     def for_optimizer(opt) -> FastPath | None:
-        # (Triton's too: on a GPU the hooks add with torch's ops whatever the backend; only the
-        # reference backend, the spec, keeps Python's hooks alone.)
-        if opt.backend not in ("auto", "cpp", "triton"):
-            return None
         from . import backends
-        cpp = backends._load("cpp")
+        cpp = backends.extension_paths(opt.backend)
         return None if cpp is None else FastPath(cpp)
 
     def hook(self, p: Tensor, python_hook: Callable[[Tensor], None]):
@@ -242,7 +238,7 @@ class FastPath:
             return  # buckets handed to the other ranks as gradients arrive: Python's
         from .backends import cpp_backend
         fold = _FoldArgs() if mb.fold else None
-        may_adopt = win.sync is None  # (as _can_adopt)
+        may_adopt = win.may_adopt
         complete = win.complete  # (their gradients go to take_grad, which drops them)
         # What the lists below depend on, short of a loop over the parameters: the slots, the
         # parameter taken first (not armed), which buffers exist and are live (``win.version``
@@ -937,12 +933,10 @@ def _add(opt, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
 
 
 def _can_adopt(win, p: Tensor, grad: Tensor) -> bool:
-    """Whether the first gradient of a window can be the buffer itself: the same dtype and
-    layout, nothing else holding it (a view may be DDP's bucket), no flat buffers. A weighted
-    micro-batch's is scaled in place (the buffer holds w * g), so any weight may adopt."""
-    return (win.sync is None and grad.dtype == state_dtype(p) and grad.device == p.device
-            and grad._base is None and grad.is_contiguous() and p.is_contiguous()
-            and not is_dtensor(grad))  # FSDP2's shards are views of one reduce-scatter output
+    """Whether the first gradient of a window can be the buffer itself (Window.may_adopt,
+    layout.adoptable). A weighted micro-batch's is scaled in place (the buffer holds w * g), so
+    any weight may adopt."""
+    return win.may_adopt and adoptable(grad, p)
 
 
 def begin_pass(opt, first: Tensor | None = None) -> BackwardPass:
@@ -958,7 +952,7 @@ def begin_pass(opt, first: Tensor | None = None) -> BackwardPass:
         opt._run_step_hooks(post=False)
     weight, weight_sum = win.begin_micro_batch(opt, win.take_pending_weight(), closing)
     # (a run() pass folds nothing: a failure in it must leave no parameter updated)
-    fold = (closing and opt.max_grad_norm is None and not win.spans_ranks and not win.transaction
+    fold = (closing and win.folds_last(opt) and not win.transaction
             and not (first is not None and by_torch_ops(first)))
     # With FSDP2, opt.backward scaled the loss by the weight: the gradients carry it.
     grad_weight = 1.0 if win.shards is not None else weight

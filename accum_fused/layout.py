@@ -17,6 +17,10 @@ from torch import Tensor
 # Optimizer state entries that hold one value per parameter element (everything but "step").
 ELEMENTWISE_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
+# The parameter (and gradient) dtypes the kernel backends take (cpp, triton; csrc/ops.h's
+# kernel_dtype is the extension's copy, compared in tests): fp64 and complex go to the reference.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 _COMMON_STATE_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.float32, torch.float16: torch.float32,
                         torch.float64: torch.float64}
@@ -31,6 +35,22 @@ def state_dtype(param: Tensor) -> torch.dtype:
     if param.is_complex():
         return torch.complex128 if param.dtype == torch.complex128 else torch.complex64
     return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def fits(t: Tensor, param: Tensor) -> bool:
+    """Whether ``t``, a window buffer or a state tensor of ``param``, still fits it: its state
+    dtype, device and shape. What does not is conformed or refused (Window.conform,
+    conform_state); the extension's copy is csrc/ops.h's ``fits``, compared in tests."""
+    return t.dtype == state_dtype(param) and t.device == param.device and t.shape == param.shape
+
+
+def adoptable(grad: Tensor, param: Tensor) -> bool:
+    """Whether a window's first gradient of ``param`` can become its buffer itself (zero-copy):
+    of the buffer's dtype and device, contiguous as its parameter, and no view (a view may be
+    DDP's bucket; FSDP2's shards are views of one reduce-scatter output, and DTensors). Whether
+    anything else holds it is the caller's (the extension asks autograd's own test)."""
+    return (grad.dtype == state_dtype(param) and grad.device == param.device and grad._base is None
+            and grad.is_contiguous() and param.is_contiguous() and not is_dtensor(grad))
 
 
 def conform_state(state, params, name_of, dtype_of=state_dtype) -> None:

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from . import backends, ddp
 from .backends._kernel_args import device_scalar
-from .layout import ELEMENTWISE_STATE, conform_state, kernel_view, state_dtype
+from .layout import ELEMENTWISE_STATE, conform_state, fits, kernel_view, state_dtype
 
 # Weights are kept in units of 2**shift, shift a multiple of _WEIGHT_BAND, so that any finite
 # positive weight fits the fp32 buffers (uniform 1e-46 weights underflowed fp32 to a zero update,
@@ -160,6 +160,20 @@ class Window:
         return self.parts_left == 0 and self.micro_step + 1 >= opt.accumulation_steps
 
     @property
+    def may_adopt(self) -> bool:
+        """Whether a gradient may become its buffer (zero-copy, layout.adoptable): not where the
+        buffers are views of flat storage the ranks reduce (process_group, DDP's buckets) or a
+        sharded window (FSDP2)."""
+        return self.sync is None and self.shards is None
+
+    def folds_last(self, opt) -> bool:
+        """Whether nothing needs the whole window before its update, so that the last
+        micro-batch's gradients may go straight into the update pass (plain mode's last
+        accumulate folded into the update kernel, mode B's per-parameter update in its hook):
+        clipping needs the window's norm first, and ranks their reduced sums."""
+        return opt.max_grad_norm is None and not self.spans_ranks
+
+    @property
     def spans_ranks(self) -> bool:
         """Whether closing the window needs the other ranks (process_group, FSDP2)."""
         return self.sync is not None or self.shards is not None
@@ -224,7 +238,7 @@ class Window:
         if not closing:
             self.accumulate(pairs, grad_weight, grad_scale, opt._backend_for)
             self.updated = False
-        elif opt._folds_last_micro_batch and opt.max_grad_norm is None and not self.spans_ranks:
+        elif opt._folds_last_micro_batch and self.folds_last(opt):
             self.close(opt, pairs, grad_weight, grad_scale)  # the last micro-batch folded into the update pass
         else:
             # Clipping needs the whole window's norm first: the last accumulate pass returns it
@@ -316,7 +330,7 @@ class Window:
         if table is not None and self._table_current(table):
             return table
         self.step_table = None
-        if self.table_blocked or opt.backend not in ("auto", "cpp"):
+        if self.table_blocked or backends.extension_paths(opt.backend) is None:
             return None
         self.table_blocked = True
         self.step_table = StepTable.build(opt, self)
@@ -478,7 +492,7 @@ class Window:
         what cannot follow (a changed shape, flat cross-rank buffers) raises here."""
         for p in params:
             buf = self.buffers.get(p)
-            if buf is not None and (buf.dtype != state_dtype(p) or buf.device != p.device or buf.shape != p.shape):
+            if buf is not None and not fits(buf, p):
                 if self.sync is not None:
                     raise RuntimeError(
                         f"{opt._param_name(p)} changed dtype, device or shape after this {type(opt).__name__} "
@@ -679,7 +693,7 @@ class StepTable:
         run, fused=True groups (torch's device checks), a live buffer that must follow its
         parameter first (Window.conform). A stale buffer that no longer fits its parameter is
         dropped here, as Window.conform drops it: the table then vouches for every buffer."""
-        cpp = backends._load("cpp")
+        cpp = backends.extension_paths(opt.backend)
         params = opt._all_params()
         if cpp is None or not params or any(group.get("fused") for group in opt.param_groups):
             return None
@@ -689,7 +703,7 @@ class StepTable:
             if p.device != device or kernel_view(p) is not p or opt._backend_for(p) is not cpp:
                 return None
             buf = win.buffers.get(p)
-            if buf is not None and (buf.dtype != state_dtype(p) or buf.device != p.device or buf.shape != p.shape):
+            if buf is not None and not fits(buf, p):
                 if p in win.live or win.sync is not None:
                     return None  # (Window.conform carries it along, or raises)
                 del win.buffers[p]  # stale: as Window.conform does, the next gradient allocates a fresh one
@@ -699,7 +713,7 @@ class StepTable:
         live = [p in win.live for p in params]
         adopted = [p in win.adopted for p in params]
         # (DDP's buffers are views of its flat buckets: not to be replaced by gradients)
-        table = cpp.StepTable(params, buffers, live, adopted, may_adopt=win.sync is None and win.shards is None)
+        table = cpp.StepTable(params, buffers, live, adopted, may_adopt=win.may_adopt)
         return StepTable(table, params, {p for p, buf in zip(params, buffers) if buf is not None}, device, win.version)
 
     def closing_plan(self, opt, win: Window, present: int) -> UpdatePlan | None:
@@ -727,7 +741,7 @@ class StepTable:
         """Take the closing micro-batch (counted by the caller) and close ``win`` with ``plan``."""
         clear = opt.accumulation_steps > 1
         last = norms = None
-        if opt._folds_last_micro_batch and opt.max_grad_norm is None:
+        if opt._folds_last_micro_batch and win.folds_last(opt):  # (no ranks: take_with_table)
             last = dict(grads=self.cpp.present_grads(), weight=weight, overwrite=self.cpp.live_count == 0,
                         grad_scale=grad_scale)
             self.cpp.release(clear)  # (the list keeps the gradients for the update pass)

@@ -202,18 +202,9 @@ bool state_fits(const TensorList& params, const std::vector<TensorList>& lists) 
     if (list.size() != params.size()) return false;
   }
   for (size_t i = 0; i < params.size(); ++i) {
-    const Tensor& p = params[i];
-    at::ScalarType wanted;
-    switch (p.scalar_type()) {
-      case at::kFloat: case at::kBFloat16: case at::kHalf: wanted = at::kFloat; break;
-      case at::kDouble: wanted = at::kDouble; break;
-      default: return false;  // (complex and other dtypes: the Python check)
-    }
+    if (state_dtype(params[i].scalar_type()) == at::ScalarType::Undefined) return false;  // (Python's check)
     for (const TensorList& list : lists) {
-      const Tensor& t = list[i];
-      if (t.defined() && (t.scalar_type() != wanted || t.device() != p.device() || t.sizes() != p.sizes())) {
-        return false;
-      }
+      if (list[i].defined() && !fits(list[i], params[i])) return false;
     }
   }
   return true;
@@ -464,6 +455,27 @@ bool same_memory_layout(const Tensor& t, const Tensor& buffer) { return same_lay
 
 bool plain_memory(const Tensor& t) { return !t._is_zerotensor() && !t.is_neg() && !t.is_conj(); }
 
+bool kernel_dtype(at::ScalarType d) { return d == at::kFloat || d == at::kBFloat16 || d == at::kHalf; }
+
+bool kernel_grad(const Tensor& g) {
+  return g.layout() == at::kStrided && kernel_dtype(g.scalar_type()) && plain_memory(g);
+}
+
+at::ScalarType state_dtype(at::ScalarType param) {
+  if (kernel_dtype(param)) return at::kFloat;
+  return param == at::kDouble ? at::kDouble : at::ScalarType::Undefined;
+}
+
+bool fits(const Tensor& t, const Tensor& param) {
+  return t.scalar_type() == state_dtype(param.scalar_type()) && t.device() == param.device() &&
+         t.sizes() == param.sizes();
+}
+
+bool adoptable(const Tensor& grad, const Tensor& param) {
+  return grad.scalar_type() == state_dtype(param.scalar_type()) && grad.device() == param.device() &&
+         !grad.is_view() && grad.is_contiguous() && param.is_contiguous();
+}
+
 }  // namespace accum_fused
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -484,6 +496,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_kernel_variant", &cpu::kernel_variant, "The CPU kernel build in use: AVX2 or DEFAULT");
   m.def("layout_mismatches", &layout_mismatches, py::arg("tensors"), py::arg("buffers"));
   m.def("state_fits", &state_fits, py::arg("params"), py::arg("lists"));
+  // (the per-tensor rules of ops.h, for the tests that compare them with accum_fused/layout.py's)
+  m.def("kernel_grad", &accum_fused::kernel_grad, py::arg("grad"));
+  m.def("fits", &accum_fused::fits, py::arg("t"), py::arg("param"));
+  m.def("adoptable", &accum_fused::adoptable, py::arg("grad"), py::arg("param"));
   m.def("equal_scalars", &equal_scalars, py::arg("tensors"));
   m.def("accumulate", &accumulate, py::arg("grads"), py::arg("buffers"), py::arg("weight"), py::arg("overwrite"),
         py::arg("grad_scale"), py::arg("norm_weight_sum"), py::call_guard<py::gil_scoped_release>());

@@ -177,11 +177,6 @@ struct Taken {
   std::vector<std::optional<Tensor>> written_norms;
 };
 
-bool is_float(const Tensor& t) {
-  const auto d = t.scalar_type();
-  return d == at::kFloat || d == at::kBFloat16 || d == at::kHalf;
-}
-
 struct HookState : std::enable_shared_from_this<HookState> {
   // Taken by every method: the extension's hooks run without the GIL (ExtensionHook), on the
   // autograd thread of their parameter's device, while Python may arm or drain from another.
@@ -350,17 +345,17 @@ struct HookState : std::enable_shared_from_this<HookState> {
     const bool starts = s.mode != kAdd;  // (the window's first gradient of it: no sum yet)
     if (starts && norm_weight_sum.has_value()) return false;  // (no norm record for a start: Python's)
     // fp32 throughout (Python's path widens other operands and runs autocast's dtype)
-    const auto fits = [&](const Tensor& t) {
+    const auto fp32_here = [&](const Tensor& t) {
       return t.layout() == at::kStrided && t.scalar_type() == at::kFloat && t.device() == param.device() &&
              plain_memory(t);
     };
-    if (!fits(param) || !param.is_contiguous() || !fits(grad_out) || grad_out.dim() != 2 ||
+    if (!fp32_here(param) || !param.is_contiguous() || !fp32_here(grad_out) || grad_out.dim() != 2 ||
         grad_out.size(1) != param.size(0)) {
       return false;
     }
     if (input.has_value()) {
       const Tensor& x = *input;
-      if (!fits(x) || x.dim() != 2 || param.dim() != 2 || x.size(0) != grad_out.size(0) || x.size(1) != param.size(1)) {
+      if (!fp32_here(x) || x.dim() != 2 || param.dim() != 2 || x.size(0) != grad_out.size(0) || x.size(1) != param.size(1)) {
         return false;
       }
     } else if (param.dim() != 1) {
@@ -368,7 +363,7 @@ struct HookState : std::enable_shared_from_this<HookState> {
     }
     Tensor buf = s.buffer;
     if (buf.defined()) {
-      if (!fits(buf) || buf.sizes() != param.sizes() || !buf.is_contiguous()) return false;
+      if (!fits(buf, param) || !buf.is_contiguous()) return false;
     } else if (s.mode == kAdopt) {
       buf = at::empty(param.sizes(), param.options().dtype(at::kFloat));
     } else {
@@ -495,21 +490,18 @@ struct HookState : std::enable_shared_from_this<HookState> {
     Slot& s = slots[slot_id];
     if (s.mode == kNone || s.seen_task == armed_task || (before_accumulate && s.mode == kAdopt)) return false;
     if (torch::autograd::get_current_graph_task_id() != armed_task) return false;
-    if (grad.layout() != at::kStrided || !is_float(grad) || grad.device() != param.device() || !plain_memory(grad)) {
-      return false;
-    }
+    if (!kernel_grad(grad) || grad.device() != param.device()) return false;
     int64_t done = s.mode;
     std::optional<Tensor> norm, adopted;
-    if (s.mode == kAdopt && grad.scalar_type() == at::kFloat && grad.is_contiguous() && !grad.is_view() &&
-        param.is_contiguous()) {
+    if (s.mode == kAdopt && adoptable(grad, param)) {
       adopted = grad;  // (as in_backward._can_adopt: the gradient is autograd's fresh, unshared tensor)
       // A weighted micro-batch's: scaled in place, the copying overwrite's product.
       if (weight != 1.0) accumulate_into(grad, grad, /*overwrite=*/true, std::nullopt);
     } else {
       if (s.mode == kAdopt) done = kOverwrite;
       const Tensor& buf = s.buffer;
-      if (!buf.defined() || buf.scalar_type() != at::kFloat || buf.device() != grad.device() ||
-          buf.sizes() != grad.sizes() || !same_memory_layout(grad, buf) || (done == kFold && !fold_fits(s, param))) {
+      if (!buf.defined() || !fits(buf, param) || buf.sizes() != grad.sizes() || !same_memory_layout(grad, buf) ||
+          (done == kFold && !fold_fits(s, param))) {
         return false;
       }
       if (done == kFold) {
@@ -599,12 +591,9 @@ struct HookState : std::enable_shared_from_this<HookState> {
   // The update op's own checks, so that it cannot raise inside backward: the parameter and its
   // state in the buffer's layout (cpp_backend.py re-lays out the rare others; Python does here).
   static bool fold_fits(const Slot& s, const Tensor& param) {
-    if (!is_float(param) || !same_memory_layout(param, s.buffer)) return false;
+    if (!kernel_dtype(param.scalar_type()) || !same_memory_layout(param, s.buffer)) return false;
     for (const Tensor* t : {&s.state0, &s.state1, &s.state2}) {
-      if (t->defined() && (t->scalar_type() != at::kFloat || t->device() != s.buffer.device() ||
-                           t->sizes() != s.buffer.sizes() || !same_memory_layout(*t, s.buffer))) {
-        return false;
-      }
+      if (t->defined() && (!fits(*t, param) || !same_memory_layout(*t, s.buffer))) return false;
     }
     return true;
   }

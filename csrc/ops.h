@@ -49,6 +49,22 @@ bool same_memory_layout(const at::Tensor& t, const at::Tensor& buffer);
 // (layout.readable_grad) and the ops refuse them.
 bool plain_memory(const at::Tensor& t);
 
+// The per-tensor rules the Python side states in accum_fused/layout.py, once for the
+// extension (bindings.cpp defines them; step_table.cpp and hooks.cpp ask them; tests compare
+// them with Python's through state_fits and the tables' choices):
+// the parameter and gradient dtypes the kernels take (layout.KERNEL_DTYPES);
+bool kernel_dtype(at::ScalarType d);
+// a gradient the kernels can read as it is: strided, of a kernel dtype, its memory its values;
+bool kernel_grad(const at::Tensor& g);
+// the dtype of a parameter's buffer and state (layout.state_dtype; Undefined: not a real dtype
+// the extension knows, the Python side's to check);
+at::ScalarType state_dtype(at::ScalarType param);
+// a buffer or state tensor that still fits its parameter (layout.fits): dtype, device, shape;
+bool fits(const at::Tensor& t, const at::Tensor& param);
+// a window's first gradient that can become its buffer (layout.adoptable, for plain tensors;
+// whether anything else holds it is the caller's).
+bool adoptable(const at::Tensor& grad, const at::Tensor& param);
+
 void register_hooks(pybind11::module& m);
 void register_step_table(pybind11::module& m);  // step_table.cpp
 

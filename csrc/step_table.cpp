@@ -53,8 +53,6 @@ namespace {
 namespace py = pybind11;
 using at::Tensor;
 
-bool kernel_dtype(at::ScalarType d) { return d == at::kFloat || d == at::kBFloat16 || d == at::kHalf; }
-
 struct StepTable {
   std::vector<py::object> objects;  // the parameters as Python objects (identity checks)
   std::vector<Tensor> params;
@@ -116,7 +114,7 @@ struct StepTable {
   bool fits(size_t i, const Tensor& g) const {
     const Tensor& p = params[i];
     const Tensor& b = buffers[i];
-    if (g.layout() != at::kStrided || !kernel_dtype(g.scalar_type()) || !plain_memory(g)) return false;
+    if (!kernel_grad(g)) return false;
     if (!unchanged(i)) return false;  // the parameter changed: Window.conform's work
     if (!b.defined()) {
       // take gives it one: the gradient itself or a contiguous fp32 buffer (Window.buffer's, for
@@ -124,7 +122,7 @@ struct StepTable {
       return !live[i] && kernel_dtype(p.scalar_type()) && p.is_contiguous() && g.is_contiguous() &&
              g.device() == p.device() && g.sizes() == p.sizes();
     }
-    if (p.device() != b.device() || p.sizes() != b.sizes()) return false;
+    if (!accum_fused::fits(b, p)) return false;
     return g.device() == b.device() && g.sizes() == b.sizes() && same_memory_layout(g, b);
   }
 
@@ -139,9 +137,8 @@ struct StepTable {
   bool can_adopt(size_t k, bool scaled, bool clear) const {
     const Tensor& g = grads[k];
     const Tensor& p = params[present[k]];
-    return may_adopt && clear && !scaled && g.scalar_type() == at::kFloat &&
-           p.scalar_type() == at::kFloat && !g.is_view() && !g.requires_grad() && only_held_here(g) &&
-           memory_held_only_by(g) && g.is_contiguous() && p.is_contiguous();
+    return may_adopt && clear && !scaled && p.scalar_type() == at::kFloat && adoptable(g, p) &&
+           !g.requires_grad() && only_held_here(g) && memory_held_only_by(g);
   }
 
   // Whether the parameter's .grad slot and this table's check hold the gradient's only
@@ -338,14 +335,14 @@ struct StepTable {
   bool conforms() const {
     for (size_t i = 0; i < params.size(); ++i) {
       const Tensor& b = buffers[i];
-      if (!unchanged(i) || (b.defined() && (params[i].device() != b.device() || params[i].sizes() != b.sizes()))) {
+      if (!unchanged(i) || (b.defined() && !accum_fused::fits(b, params[i]))) {
         return false;
       }
     }
     return true;
   }
 
-  // Every parameter's buffer, in order (window.ClosingPlan's update reads them: a window's
+  // Every parameter's buffer, in order (window.StepTable.close's update reads them: a window's
   // adopted ones are new each window); none may be missing.
   std::vector<Tensor> all_buffers() const {
     for (const Tensor& b : buffers) TORCH_CHECK(b.defined(), "StepTable.buffers: a parameter without a buffer");

@@ -85,6 +85,15 @@ def check_name(name: str) -> None:
         )
 
 
+def extension_paths(name: str) -> ModuleType | None:
+    """The extension's backend (cpp_backend) where the user's backend choice ``name`` lets its
+    host-side paths run (plain mode's step table, in_backward's C++ hooks), else None. Each path
+    takes only what it runs exactly as the choice would (the table: the cpp backend's
+    parameters; the hooks: those, and on a GPU every gradient, added with torch's ops whatever
+    the backend), so only the reference, the spec, keeps Python's paths alone."""
+    return None if name not in (AUTO, "cpp", "triton") else _load("cpp")
+
+
 def _auto_candidates(device: torch.device) -> tuple[str, ...]:
     # Fastest first. On CPU, Triton runs only through its interpreter (for tests): never "auto".
     # On CUDA, cpp comes before triton until a benchmark on the device says otherwise.

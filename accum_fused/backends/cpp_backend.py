@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..layout import KERNEL_DTYPES
 from ._kernel_args import device_scalar, host_value
 from .reference import BF16_UPDATES
 from .reference import write_window_grads  # noqa: F401  (torch's foreach ops on every backend)
@@ -49,13 +50,12 @@ HookState, FastHook, install_hook, remove_hook = _C.HookState, _C.FastHook, _C.i
 state_fits = _C.state_fits
 equal_scalars = _C.equal_scalars
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:
     """fp32/bf16/fp16 parameters on CPU, and on CUDA when the extension was built with CUDA.
     fp64 parameters go to the reference."""
-    if dtype not in _KERNEL_DTYPES:
+    if dtype not in KERNEL_DTYPES:
         return False
     device = torch.device(device)
     return device.type == "cpu" or (device.type == "cuda" and _C.with_cuda)

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version  # the kernels write through pointers autograd does not see
 
+from ..layout import KERNEL_DTYPES
 from ._kernel_args import device_scalar, host_value
 from .reference import BF16_UPDATES
 from .reference import write_window_grads  # noqa: F401  (torch's foreach ops on every backend)
@@ -78,7 +79,6 @@ name = "triton"
 # kernel is defined, so this, not the environment at call time, decides where they can run.
 INTERPRETED = not isinstance(K.adam_kernel, triton.runtime.JITFunction)
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 _cuda_ok: dict[int, bool] = {}
@@ -96,7 +96,7 @@ def _cuda_device_supported(device: torch.device) -> bool:
 def supports(device: torch.device, dtype: torch.dtype) -> bool:
     """fp32/bf16/fp16 parameters on CUDA devices Triton compiles for, or on CPU under the
     interpreter (``TRITON_INTERPRET=1`` set before import). fp64 goes to the reference."""
-    if dtype not in _KERNEL_DTYPES:
+    if dtype not in KERNEL_DTYPES:
         return False
     device = torch.device(device)
     if device.type == "cpu":
