@@ -384,10 +384,8 @@ class Window:
             self.late_weights.append(None)  # opt.backward put the weight into the loss
         if not closing:
             self.updated = False
-        elif updated_in_hooks is not None:
-            self.close_folded(opt, updated_in_hooks, weight, weight_sum)
         else:
-            self.close(opt, (), weight, None, norms)
+            self.close(opt, (), weight, None, norms, updated_in_hooks=updated_in_hooks or frozenset())
 
     def hold_grads(self) -> None:
         """A micro-batch arrived without gradients: with FSDP2 they were held back
@@ -515,28 +513,32 @@ class Window:
 
     # ------------------------------------------------------------------------- closing
     def close(self, opt, last_pairs=(), last_weight: float = 1.0, grad_scale: Tensor | None = None,
-              norms: dict | None = None, flushing: bool = False, update=None) -> bool:
+              norms: dict | None = None, flushing: bool = False, update=None, updated_in_hooks: set = frozenset()) \
+            -> bool:
         """Close the window: agree with the other ranks (sums, weight total, non-finite flags),
         skip it if a micro-batch was non-finite or no parameter received a gradient, otherwise
         clip and update. ``last_pairs`` is the last micro-batch, not yet accumulated (folded into
         the update pass); ``norms`` the per-parameter window-gradient norms already computed.
         ``update(weight_sum)``: the step table's close updates instead of ``opt._apply_window`` (the
-        last micro-batch and the norms are then its own). Sets and returns ``updated``."""
+        last micro-batch and the norms are then its own). ``updated_in_hooks``: parameters mode B's
+        last pass already updated inside their hooks (folds_last: no ranks, no clipping); the
+        window's other live parameters (no gradient in that pass) are updated here. Sets and
+        returns ``updated``."""
         self.closings += 1
         weight_sum, skip, clip_coef = self._agree(opt, flushing)
+        self.live -= updated_in_hooks
         # An empty window (no gradient anywhere: no micro-batch on any rank, or only None grads)
         # is not an update, as torch.optim's step without gradients changes nothing.
-        applied = not skip and weight_sum > 0 and bool(self.live or last_pairs)
+        applied = not skip and weight_sum > 0 and bool(self.live or last_pairs or updated_in_hooks)
         closed = False
         try:
-            if applied:
-                if update is not None:
-                    update(weight_sum)
-                else:
-                    if opt.max_grad_norm is not None and clip_coef is None:
-                        clip_coef = self._clip_coefficient(opt, weight_sum, norms or {})
-                    opt._apply_window(dict(last_pairs), last_weight, grad_scale, weight_sum, clip_coef)
-                self.update_count += 1
+            if applied and update is not None:
+                update(weight_sum)
+            elif applied and (self.live or last_pairs):
+                if opt.max_grad_norm is not None and clip_coef is None:
+                    clip_coef = self._clip_coefficient(opt, weight_sum, norms or {})
+                opt._apply_window(dict(last_pairs), last_weight, grad_scale, weight_sum, clip_coef)
+            self.update_count += applied
             closed = True
         finally:
             self.discard()
@@ -545,24 +547,6 @@ class Window:
             ddp.window_closed(opt)
             _tell_listeners(opt, closed, applied)  # (an update that raised: the window is lost)
         return applied
-
-    def close_folded(self, opt, done: set, weight: float, weight_sum: float) -> None:
-        """Close a window whose last micro-batch updated the parameters in ``done`` inside their
-        in-backward hooks; the window's other live parameters (no gradient in that micro-batch)
-        are updated here."""
-        self.closings += 1
-        closed = False
-        try:
-            self.live -= done
-            if self.live:
-                opt._apply_window({}, weight, None, weight_sum, None)
-            self.updated = bool(done or self.live)
-            self.update_count += self.updated
-            closed = True
-        finally:
-            self.discard()
-            ddp.window_closed(opt)
-            _tell_listeners(opt, closed, closed and self.updated)
 
     def discard(self) -> None:
         """Empty the window (counters of past updates stay). Buffers kept between windows stay
