@@ -83,6 +83,23 @@ def _fast_path_lines(cpp) -> list[str]:
     return lines
 
 
+# Written by setup.py beside the extension when a CUDA torch's build went without the CUDA kernels:
+# why (an nvcc of another major CUDA version, nvcc failing, ACCUM_FUSED_NO_CUDA=1, ...) and the fix.
+CUDA_SKIPPED_RECORD = "_C_without_cuda.txt"
+
+
+def cuda_skipped_reason(folder: str | None = None) -> str | None:
+    """Why the installed extension has no CUDA kernels, as its build recorded it; None if it did not."""
+    import os
+
+    path = os.path.join(folder or os.path.dirname(os.path.abspath(__file__)), CUDA_SKIPPED_RECORD)
+    try:
+        with open(path) as f:
+            return " ".join(f.read().split()) or None
+    except OSError:
+        return None
+
+
 def info_lines() -> list[str]:
     lines = [f"accum_fused {__version__}", f"python {platform.python_version()}", f"torch {torch.__version__}"]
     try:
@@ -110,7 +127,12 @@ def info_lines() -> list[str]:
             dtypes = [str(dtype).removeprefix("torch.") for dtype in _PARAM_DTYPES if module.supports(device, dtype)]
             if dtypes:
                 runs.append(f"{'/'.join(dtypes)} parameters on {device.type}")
-        extra = f"; extension built with CUDA: {module.with_cuda}" if name == "cpp" else ""
+        extra = ""
+        if name == "cpp":
+            extra = f"; extension built with CUDA: {module.with_cuda}"
+            skipped = None if module.with_cuda else cuda_skipped_reason()
+            if skipped:
+                extra += f" ({skipped})"
         lines.append(f"backend {name}: available; runs {', '.join(runs) or 'nothing on the devices here'}{extra}")
         if name == "cpp":
             lines.extend(_fast_path_lines(module))

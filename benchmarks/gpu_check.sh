@@ -81,7 +81,9 @@ stage_build() {
   TORCH_CUDA_ARCH_LIST="$("$PYTHON" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')" \
     || { echo "FAIL: torch sees no CUDA device"; return 1; }
   MAX_JOBS="$(nproc)"
-  export TORCH_CUDA_ARCH_LIST MAX_JOBS
+  # (the CUDA kernels or a failed stage: a toolkit the build would skip is what this check must see)
+  ACCUM_FUSED_REQUIRE_CUDA=1
+  export TORCH_CUDA_ARCH_LIST MAX_JOBS ACCUM_FUSED_REQUIRE_CUDA
   unset ACCUM_FUSED_NO_EXTENSION ACCUM_FUSED_NO_CUDA
   echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS CUDA_HOME=${CUDA_HOME:-<from nvcc on PATH>}"
   rm -rf build accum_fused/_C*.so
