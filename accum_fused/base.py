@@ -4,7 +4,7 @@ Owns: ``AccumulatingOptimizer``, the base of SGD, Adam, AdamW and GradientAccumu
 construction of the window and its reducers, param groups, the weight argument's checks,
 and ``step`` / ``flush`` / ``backward`` / ``set_micro_batch_weight`` / ``zero_grad`` /
 ``state_dict`` / ``load_state_dict`` / copies as thin entry points that validate, then
-delegate: the open window and its closing to ``window.py``, backward passes to
+delegate: the open window and its closing to ``accum_fused.window``, backward passes to
 ``in_backward.py``, checkpoint layouts to ``checkpoint.py``, ranks to ``distributed.py``.
 
 Must not: do window arithmetic, per-element math or per-class update math (``_update`` is
@@ -30,6 +30,7 @@ from .checkpoint import called_from_torch_checkpoint
 from . import framework_guard as guard
 from .layout import is_dtensor, kernel_view, readable_grad, state_dtype
 from .window import UpdatePlan, Window, WindowListeners
+from .window import table as window_table
 
 
 def _check_weight(weight) -> float:
@@ -302,7 +303,7 @@ class AccumulatingOptimizer:
         if weight is None:
             weight = 1.0 if win.pending_weight is None else win.pending_weight
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        if win.take_with_table(self, weight, grad_scale, found_inf):  # (the common micro-batch, in one C++ call)
+        if window_table.take_with_table(win, self, weight, grad_scale, found_inf):  # (the common micro-batch, in one C++ call)
             return loss
         pairs = self._collect_grads()
         if not pairs and not self.in_backward and self.accumulation_steps > 1:  # (k=1: a no-op, as torch's)

@@ -508,7 +508,7 @@ class WindowSync:
                       found_inf: Tensor | None, flushing: bool) -> tuple[float, bool, set]:
         """Collective: every rank of the group must call it once per window, with ``params`` in
         the same order, all from step() or all from flush(). ``weight_sum`` and the buffers are
-        in units of ``2**weight_shift`` (the window's weight band, see window.py). Returns
+        in units of ``2**weight_shift`` (the window's weight band, see window/state.py). Returns
         (global weight total in the group's common units, any rank non-finite, globally live
         parameters); unless non-finite, the live parameters' buffers then hold the global sums
         in those units. After ``begin_overlapped_window`` it finishes that window's reduce

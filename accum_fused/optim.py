@@ -4,7 +4,7 @@ Owns: the public classes: their torch.optim-compatible constructors and argument
 per class the update a window ends with (``_update``: which state one backend call takes;
 GradientAccumulator's ``_apply_window``: the window gradient into ``.grad``, the inner step).
 The entry points they share (step, flush, backward, state_dict, ...) are ``base.py``'s.
-Must not: do window bookkeeping or per-element math (``window.py``, ``accum_fused.backends``).
+Must not: do window bookkeeping or per-element math (``accum_fused.window``, ``accum_fused.backends``).
 
 Each class subclasses the torch.optim class of the same name and calls its ``__init__``, so
 constructor arguments, defaults, validation messages and param-group layout are torch's own.

@@ -22,6 +22,7 @@ from torch import nn
 
 import accum_fused
 from accum_fused import window as window_module
+from accum_fused.window import table as window_table
 
 from _helpers import built_without_extension
 
@@ -34,7 +35,7 @@ class Counted:
 
     def __init__(self, monkeypatch, off: bool) -> None:
         self.taken = self.closed = 0
-        original, original_close = window_module.Window.take_with_table, window_module.StepTable.close
+        original, original_close = window_table.take_with_table, window_module.StepTable.close
 
         def take_with_table(win, *args):
             if off:
@@ -47,7 +48,7 @@ class Counted:
             self.closed += 1
             return original_close(plan, *args)
 
-        monkeypatch.setattr(window_module.Window, "take_with_table", take_with_table)
+        monkeypatch.setattr(window_table, "take_with_table", take_with_table)
         monkeypatch.setattr(window_module.StepTable, "close", close)
 
 

@@ -40,7 +40,7 @@ except ImportError as exc:
 
 name = "cpp"
 
-# The extension's host-side parts, for the front (window.py's step table and plan, in_backward.py's
+# The extension's host-side parts, for the front (window/table.py's step table and plan, in_backward.py's
 # hooks, optim.py, ``info``): this module is the only door to accum_fused._C.
 with_cuda = bool(_C.with_cuda)
 fast_paths = _C.fast_paths

@@ -8,11 +8,9 @@ optimizer's properties read, and the cross-rank reducer the buffers belong to (`
 replicas, ``shards``: FSDP2). Its verbs: ``add_micro_batch`` (a whole micro-batch, from step()),
 ``begin_micro_batch`` / ``accumulate_one`` / ``write_one`` / ``adopt`` / ``mark_written`` /
 ``finish_micro_batch`` (one arriving parameter at a time, from in_backward.py's hooks),
-``close`` (sync -> found-inf -> clip -> update, for plain, synchronised and sharded windows
-alike), ``discard``, ``abandon`` (discard a window that held something, without closing it).
-Whoever must learn that a window ended (accum_fused.nn's BatchNorm statistics) registers on the
-optimizer's ``_window_listeners`` (``WindowListeners``): close and abandon tell them, and
-opt.run() tells them when a pass it may retry begins and when it failed (``tell_transaction``).
+``close`` (close.py), ``discard``, ``abandon`` (discard a window that held something, without
+closing it). Plain mode's micro-batches in one extension call, and the update's kept lists, are
+table.py's.
 
 Must not: read ``.grad`` or touch hooks (the optimizer and in_backward.py hand gradients in),
 or do per-element math (backends do). It asks its optimizer, passed to the verbs that need it,
@@ -25,15 +23,14 @@ It holds no reference to the optimizer, so a framework wrapper that copies the o
 from __future__ import annotations
 
 import math
-import operator
 from collections import defaultdict
 
 import torch
 from torch import Tensor
 
-from . import backends, ddp
-from .backends._kernel_args import device_scalar
-from .layout import ELEMENTWISE_STATE, conform_state, fits, kernel_view, state_dtype
+from ..layout import conform_state, fits, kernel_view, state_dtype
+from .close import close, tell_listeners
+from .table import StepTable, UpdatePlan
 
 # Weights are kept in units of 2**shift, shift a multiple of _WEIGHT_BAND, so that any finite
 # positive weight fits the fp32 buffers (uniform 1e-46 weights underflowed fp32 to a zero update,
@@ -47,19 +44,6 @@ _WEIGHT_HEADROOM = 64
 
 def _weight_band(weight: float) -> int:
     return _WEIGHT_BAND * math.floor(math.frexp(weight)[1] / _WEIGHT_BAND)
-
-
-class WindowListeners(list):
-    """The optimizer's ``_window_listeners``: objects told, in order, when its window ends.
-    ``window_closed(opt, applied)``: the window closed (``applied``: an update was applied;
-    False: skipped for non-finite gradients, or empty); with a process_group every rank closes
-    it together, so a listener may run a collective there. ``window_discarded(opt)``: a window
-    that held micro-batches was emptied without closing (a failed backward pass that cannot be
-    taken back out, mode A's ``zero_grad()``). A copy of the optimizer (deepcopy, pickle) starts
-    with none: listeners belong to a model, and a copy must not carry the model along."""
-
-    def __reduce__(self):
-        return type(self), ()
 
 
 class Window:
@@ -215,7 +199,7 @@ class Window:
         # parameters (a current step table vouches for all of them in one call), and at closing
         # the optimizer state too (once per table: what changes it makes the table stale).
         table = self.step_table
-        if table is not None and self._table_current(table) and table.cpp.conforms():
+        if table is not None and table.current(self) and table.cpp.conforms():
             if closing and not table.state_conformed:
                 params = [p for p, _ in pairs]
                 conform_state(opt.state, params + list(self.live.difference(params)), opt._param_name,
@@ -226,11 +210,11 @@ class Window:
         else:
             params = [p for p, _ in pairs]
             self.conform(opt, params + list(self.live.difference(params)) if closing else params, closing)
-        found_inf = self._running_found_inf(found_inf)
+        found_inf = self.running_found_inf(found_inf)
         weight = self.enter_weight(weight)
         grad_weight = 1.0 if in_loss else weight  # FSDP2: opt.backward scaled the loss by it
         # Nothing above changed the window's meaning; from here on the micro-batch is taken.
-        self._count_micro_batch(opt, weight, found_inf)
+        self.count_micro_batch(opt, weight, found_inf)
         if self.shards is not None and not opt.in_backward:  # (in_backward mode A sums: no weights)
             self.late_weights.append(None if in_loss else weight)
             if not pairs:
@@ -248,64 +232,7 @@ class Window:
                                     norm_weight_sum=self.weight_sum if local_norms else None)
             self.close(opt, (), grad_weight, None, norms)
 
-    def take_with_table(self, opt, weight: float, grad_scale: Tensor | None, found_inf: Tensor | None) -> bool:
-        """step() in plain mode, on a micro-batch that does not close the window: what
-        add_micro_batch does, in one extension call (StepTable) instead of a Python loop over the
-        parameters. False, with nothing changed, where the table cannot take it exactly so
-        (add_micro_batch then does, and is the spec this is tested against)."""
-        if opt.in_backward or self.shards is not None or self.parts_left:
-            return False
-        closing = self.closes_with(opt)
-        if closing and self.sync is not None:
-            return False
-        table = self._table_for(opt)
-        if table is None:
-            return False
-        present = table.cpp.check([group["params"] for group in opt.param_groups])
-        if present <= 0:  # (none: add_micro_batch warns; -1: something it must check, conform or raise)
-            if present < 0:
-                self.step_table = None
-            return False
-        plan = None
-        if closing:
-            try:
-                plan = table.closing_plan(opt, self, present)
-            finally:
-                if plan is None:  # (refused, or raised: the table must not keep the gradients alive)
-                    table.cpp.drop_checked()
-            if plan is None:
-                return False
-        found_inf = self._running_found_inf(found_inf)
-        weight = self.enter_weight(weight)
-        self._count_micro_batch(opt, weight, found_inf)
-        if closing:
-            table.close(opt, self, plan, weight, grad_scale)
-            return True
-        newly_live, _, given, given_buffers, adopted = table.cpp.take(
-            weight, device_scalar(grad_scale, table.device), opt.accumulation_steps > 1)
-        if given:
-            self._table_gave_buffers(table, given, given_buffers, adopted)
-        if newly_live:
-            if not self.live and len(newly_live) == len(table.buffered):
-                self.live.update(table.buffered)  # (set to set: no tensor hashed again)
-            else:
-                self.live.update(table.params[i] for i in newly_live)
-        self.updated = False
-        return True
-
-    def _table_gave_buffers(self, table: StepTable, given: list[int], buffers: list[Tensor], adopted: int) -> None:
-        """The table gave these parameters buffers (their first ``adopted`` are autograd's
-        gradients, taken zero-copy and let go of when the window ends, as the in-backward hooks
-        adopt them; the rest fresh ones, kept): ``buffers`` follows, the table stays current."""
-        params = [table.params[i] for i in given]
-        self.buffers.update(zip(params, buffers))
-        if adopted:
-            self.adopted.update(params[:adopted])
-        if adopted < len(params):
-            self.buffers_version += 1  # (a buffer kept between windows; the table mirrors it: no version)
-        table.buffered.update(params)
-
-    def _running_found_inf(self, found_inf: Tensor | None) -> Tensor | None:
+    def running_found_inf(self, found_inf: Tensor | None) -> Tensor | None:
         """The window's non-finite flag with this micro-batch's (GradScaler's) added: summed on
         the device, so no host synchronisation per micro-batch."""
         if found_inf is None:
@@ -313,7 +240,7 @@ class Window:
         found = found_inf.detach().float()
         return found if self.found_inf is None else self.found_inf + found
 
-    def _count_micro_batch(self, opt, weight: float, found_inf: Tensor | None) -> None:
+    def count_micro_batch(self, opt, weight: float, found_inf: Tensor | None) -> None:
         """step()'s micro-batch (or its last part) is taken: counters, weight total, flag."""
         self.pending_weight = None
         self.backward_done = False
@@ -322,22 +249,6 @@ class Window:
         # autograd would have summed into .grad), so the window's divisor is 1.
         self.weight_sum = 1.0 if opt.in_backward else self.weight_sum + weight
         self.found_inf = found_inf
-
-    def _table_for(self, opt) -> StepTable | None:
-        """The step table, true to ``buffers`` and ``live``; built (once per window at most)
-        when there is none or it went stale; None where plain mode's loop stays Python's."""
-        table = self.step_table
-        if table is not None and self._table_current(table):
-            return table
-        self.step_table = None
-        if self.table_blocked or backends.extension_paths(opt.backend) is None:
-            return None
-        self.table_blocked = True
-        self.step_table = StepTable.build(opt, self)
-        return self.step_table
-
-    def _table_current(self, table: StepTable) -> bool:
-        return table.version == self.version and table.cpp.live_count == len(self.live)
 
     def take_pending_weight(self) -> float:
         """The weight given for the next micro-batch before its gradients (else 1), consumed."""
@@ -512,41 +423,9 @@ class Window:
             conform_state(opt.state, params, opt._param_name, opt._state_dtype_of)  # the update reads it next
 
     # ------------------------------------------------------------------------- closing
-    def close(self, opt, last_pairs=(), last_weight: float = 1.0, grad_scale: Tensor | None = None,
-              norms: dict | None = None, flushing: bool = False, update=None, updated_in_hooks: set = frozenset()) \
-            -> bool:
-        """Close the window: agree with the other ranks (sums, weight total, non-finite flags),
-        skip it if a micro-batch was non-finite or no parameter received a gradient, otherwise
-        clip and update. ``last_pairs`` is the last micro-batch, not yet accumulated (folded into
-        the update pass); ``norms`` the per-parameter window-gradient norms already computed.
-        ``update(weight_sum)``: the step table's close updates instead of ``opt._apply_window`` (the
-        last micro-batch and the norms are then its own). ``updated_in_hooks``: parameters mode B's
-        last pass already updated inside their hooks (folds_last: no ranks, no clipping); the
-        window's other live parameters (no gradient in that pass) are updated here. Sets and
-        returns ``updated``."""
-        self.closings += 1
-        weight_sum, skip, clip_coef = self._agree(opt, flushing)
-        self.live -= updated_in_hooks
-        # An empty window (no gradient anywhere: no micro-batch on any rank, or only None grads)
-        # is not an update, as torch.optim's step without gradients changes nothing.
-        applied = not skip and weight_sum > 0 and bool(self.live or last_pairs or updated_in_hooks)
-        closed = False
-        try:
-            if applied and update is not None:
-                update(weight_sum)
-            elif applied and (self.live or last_pairs):
-                if opt.max_grad_norm is not None and clip_coef is None:
-                    clip_coef = self._clip_coefficient(opt, weight_sum, norms or {})
-                opt._apply_window(dict(last_pairs), last_weight, grad_scale, weight_sum, clip_coef)
-            self.update_count += applied
-            closed = True
-        finally:
-            self.discard()
-            # (set before the listeners run: one that raises must not leave the last window's value)
-            self.updated = closed and applied
-            ddp.window_closed(opt)
-            _tell_listeners(opt, closed, applied)  # (an update that raised: the window is lost)
-        return applied
+    def close(self, opt, *args, **kwargs) -> bool:
+        """Close the window (close.py's ``close``: sync -> found-inf -> clip -> update)."""
+        return close(self, opt, *args, **kwargs)
 
     def discard(self) -> None:
         """Empty the window (counters of past updates stay). Buffers kept between windows stay
@@ -590,274 +469,4 @@ class Window:
         held = self.micro_step > 0 or bool(self.live)
         self.discard()
         if held:
-            _tell_listeners(opt, closed=False)
-
-    def _agree(self, opt, flushing: bool) -> tuple[float, bool, Tensor | None]:
-        """(the window's divisor, skip it, clip coefficient when already known)."""
-        if self.sync is not None:
-            weight_sum, skip, live = self.sync.reduce_window(
-                opt._all_params(), self.live, self.weight_sum, self.weight_shift, self.found_inf, flushing)
-            self.live.clear()
-            self.live.update(live)
-            return weight_sum, skip, None
-        if self.shards is not None:
-            return self._agree_sharded(opt, flushing)
-        return self.weight_sum, self.found_inf is not None and bool(self.found_inf.item() > 0), None
-
-    def _agree_sharded(self, opt, flushing: bool) -> tuple[float, bool, Tensor | None]:
-        """FSDP2 (distributed.ShardSync.agree): (the divisor W / N, skip, clip coefficient or
-        None). The window's global norm is measured whether or not it clips, so that a
-        non-finite value in any rank's shard skips the window on every rank instead of updating
-        some shards and not others."""
-        params = opt._all_params()
-        divisor, total_norm = self.shards.agree(
-            [p for p in params if p in self.live], self.buffers, opt._backend_for, params[0].device, self.weight_sum,
-            flushing, self.late_weights, self.grads_held, opt.accumulation_steps)
-        if divisor <= 0:
-            return divisor, False, None
-        if not math.isfinite(total_norm.item()):
-            return divisor, True, None
-        if opt.max_grad_norm is None:
-            return divisor, False, None
-        self.last_grad_norm = total_norm
-        return divisor, False, torch.clamp(opt.max_grad_norm / (total_norm + 1e-6), max=1.0)
-
-    def _clip_coefficient(self, opt, weight_sum: float, norms: dict | list) -> Tensor:
-        """min(max_grad_norm / (||g|| + 1e-6), 1) on the device, as clip_grad_norm_ computes
-        it. ``norms`` has the per-parameter norms the last accumulate pass produced, by parameter
-        or aligned with ``opt._all_params()`` (None: not measured); the window's other
-        parameters (no gradient in that micro-batch) are measured here."""
-        params = opt._all_params()
-        if isinstance(norms, dict):
-            norms = list(map(norms.get, params))
-        else:
-            norms = list(norms)
-        if len(self.live) == len(params):  # (every parameter is live: no lookup per parameter)
-            live = range(len(params))
-        else:
-            live = [i for i, p in enumerate(params) if p in self.live]
-        missing = defaultdict(list)
-        for i in [i for i in live if norms[i] is None]:
-            missing[(params[i].device, params[i].dtype)].append(i)
-        for indices in missing.values():
-            measured = opt._backend_for(params[indices[0]]).window_norms(
-                buffers=[kernel_view(self.buffers[params[i]]) for i in indices], weight_sum=weight_sum)
-            for i, norm in zip(indices, measured.unbind()):
-                norms[i] = norm
-        values = [norms[i] for i in live]
-        device = params[live[0]].device
-        try:
-            stacked = torch.stack(values)  # (one device, the common case: no .to per parameter)
-        except RuntimeError:  # (parameters spread over several devices)
-            stacked = None
-        if stacked is None or stacked.device != device:
-            stacked = torch.stack([norm.to(device) for norm in values])
-        return self.clip_for(opt, torch.linalg.vector_norm(stacked))
-
-    def clip_for(self, opt, total_norm: Tensor) -> Tensor:
-        """The clip coefficient for the window's gradient norm (kept as ``last_grad_norm``)."""
-        self.last_grad_norm = total_norm
-        return torch.clamp(opt.max_grad_norm / (total_norm + 1e-6), max=1.0)
-
-
-class StepTable:
-    """The extension's table of plain mode's micro-batches (csrc/step_table.cpp: every
-    parameter of the optimizer in order, its buffer, whether it is live), with what the window
-    needs back: the parameters by index, the set of those with buffers, the device, and the
-    window's ``version`` it is true to."""
-
-    def __init__(self, cpp, params: list[Tensor], buffered: set, device: torch.device, version: int) -> None:
-        self.cpp, self.params, self.buffered, self.device, self.version = cpp, params, buffered, device, version
-        self.state_conformed = False  # conform_state ran since it was built (what moves state makes it stale)
-
-    @staticmethod
-    def build(opt, win: Window) -> StepTable | None:
-        """None where the table cannot stand in for add_micro_batch: parameters on several
-        devices or not plain tensors (DTensor, complex), a parameter the cpp backend does not
-        run, fused=True groups (torch's device checks), a live buffer that must follow its
-        parameter first (Window.conform). A stale buffer that no longer fits its parameter is
-        dropped here, as Window.conform drops it: the table then vouches for every buffer."""
-        cpp = backends.extension_paths(opt.backend)
-        params = opt._all_params()
-        if cpp is None or not params or any(group.get("fused") for group in opt.param_groups):
-            return None
-        device = params[0].device
-        buffers = []
-        for p in params:
-            if p.device != device or kernel_view(p) is not p or opt._backend_for(p) is not cpp:
-                return None
-            buf = win.buffers.get(p)
-            if buf is not None and not fits(buf, p):
-                if p in win.live or win.sync is not None:
-                    return None  # (Window.conform carries it along, or raises)
-                del win.buffers[p]  # stale: as Window.conform does, the next gradient allocates a fresh one
-                win.changed()
-                buf = None
-            buffers.append(buf)
-        live = [p in win.live for p in params]
-        adopted = [p in win.adopted for p in params]
-        # (DDP's buffers are views of its flat buckets: not to be replaced by gradients)
-        table = cpp.StepTable(params, buffers, live, adopted, may_adopt=win.may_adopt)
-        return StepTable(table, params, {p for p, buf in zip(params, buffers) if buf is not None}, device, win.version)
-
-    def closing_plan(self, opt, win: Window, present: int) -> UpdatePlan | None:
-        """How the window's closing micro-batch and the update run with no Python loop over the
-        parameters (the table's check found ``present`` gradients): the case training loops
-        give, where every parameter of the table has a gradient in the closing micro-batch, all
-        of them live in the window (or none: accumulation_steps=1), each param group of one
-        dtype and one call key (Adam's step count). None, with nothing changed, where
-        add_micro_batch must close it. Validates first, as add_micro_batch does: every buffer
-        fits (the table's check), the state is conformed."""
-        n = len(self.params)
-        if present != n or self.cpp.live_count not in (0, n) or not hasattr(opt, "_state_lists"):
-            return None
-        if self.cpp.missing_buffers():  # (a closing micro-batch without live buffers: Window.buffer allocates)
-            return None
-        if not self.cpp.conforms():
-            return None
-        if not self.state_conformed:
-            conform_state(opt.state, self.params, opt._param_name, opt._state_dtype_of)
-            self.state_conformed = True
-        plan = UpdatePlan.for_window(opt, win, build=True, every_live=False)
-        return plan if plan is not None and plan.count == n and plan.uniform(opt) else None
-
-    def close(self, opt, win: Window, plan: UpdatePlan, weight: float, grad_scale: Tensor | None) -> None:
-        """Take the closing micro-batch (counted by the caller) and close ``win`` with ``plan``."""
-        clear = opt.accumulation_steps > 1
-        last = norms = None
-        if opt._folds_last_micro_batch and win.folds_last(opt):  # (no ranks: take_with_table)
-            last = dict(grads=self.cpp.present_grads(), weight=weight, overwrite=self.cpp.live_count == 0,
-                        grad_scale=grad_scale)
-            self.cpp.release(clear)  # (the list keeps the gradients for the update pass)
-        else:
-            norm_weight_sum = win.weight_sum if opt.max_grad_norm is not None else None
-            # (every buffer is live at closing: none given, so no return but the norms matters)
-            norms = self.cpp.take(weight, device_scalar(grad_scale, self.device), clear, norm_weight_sum)[1]
-        win.live.update(self.buffered)
-
-        def update(weight_sum: float) -> None:
-            clip_coef = None if norms is None else win.clip_for(opt, torch.linalg.vector_norm(norms))
-            # (buffers read now, not kept with the plan: adopted buffers are new each window)
-            plan.update(opt, self.cpp.buffers(), weight_sum, clip_coef, last)
-        win.close(opt, (), weight, grad_scale, update=update)
-
-
-class UpdatePlan:
-    """Per param group, the arguments of one ``opt._update`` call besides the buffers and the
-    window's scalars (``opt._state_lists``), so that a window in which every parameter is live
-    updates each group in one call, with no Python loop over its parameters: the step table's
-    closing micro-batch (plain mode) and the in-backward modes' close alike. One extension call
-    checks that the buffers and state fit their parameters (``conforms``, instead of
-    Window.conform's loop). Kept on the window between closes while it stands: the param groups
-    hold the same parameters in the same order, the groups' list-shaping flags stand
-    (``state_key``) and every kept state tensor is still the one its entry holds
-    (``opt._state_lists_stand``: a state loaded, or replaced by hand, is read anew, as
-    torch.optim reads it). Built only where each group is of one dtype and one device and its
-    parameters are plain tensors; kept only where no state is missing (SGD's momentum buffers
-    exist after its first update)."""
-
-    def __init__(self, calls: list, key: tuple, complete: bool) -> None:
-        self.calls, self.key, self.complete = calls, key, complete  # calls: (group, params, lists, backend, span)
-        self.count = sum(len(params) for _, params, _, _, _ in calls)
-
-    @staticmethod
-    def for_window(opt, win: Window, build: bool, every_live: bool = True) -> UpdatePlan | None:
-        """The plan, when it stands (and ``every_live``: every parameter is live in ``win``);
-        else built anew where ``build`` (the update creates the state it holds) and it can be."""
-        if not hasattr(opt, "_state_lists") or win.shards is not None:
-            return None
-        plan = win.update_plan
-        if plan is not None and (not every_live or len(win.live) == plan.count) and plan.stand(opt):
-            return plan
-        win.update_plan = None
-        if not build or (every_live and len(win.live) != sum(len(group["params"]) for group in opt.param_groups)):
-            return None  # (and no state is created for a parameter the window leaves alone)
-        calls, start, complete = [], 0, True
-        for group in opt.param_groups:
-            params = list(group["params"])
-            if not params:
-                continue
-            first = params[0]
-            if any(p.dtype != first.dtype or p.device != first.device or kernel_view(p) is not p for p in params):
-                return None
-            lists = opt._state_lists(group, params)
-            complete &= not any(t is None for values in lists.values() for t in values)
-            calls.append((group, params, lists, opt._backend_for(first), slice(start, start + len(params))))
-            start += len(params)
-        plan = UpdatePlan(calls, UpdatePlan.state_key(opt), complete)
-        if complete:  # (state that the update creates: read again at the next close)
-            win.update_plan = plan
-        return plan
-
-    @staticmethod
-    def state_key(opt) -> tuple:
-        """What the kept lists' shape depends on beyond the parameters: the group flags that add
-        lists (amsgrad, momentum). Their tensors are checked by identity (``_state_lists_stand``)."""
-        return tuple((group.get("amsgrad"), group.get("momentum", 0) != 0) for group in opt.param_groups)
-
-    def stand(self, opt) -> bool:
-        groups = [group for group in opt.param_groups if group["params"]]
-        return (self.key == UpdatePlan.state_key(opt) and len(groups) == len(self.calls)
-                and all(group is kept_group and len(group["params"]) == len(params)
-                        and all(map(operator.is_, group["params"], params))
-                        and opt._state_lists_stand(params, lists)
-                        for group, (kept_group, params, lists, _, _) in zip(groups, self.calls)))
-
-    def uniform(self, opt) -> bool:
-        """Whether each group's parameters share one call key (Adam's step count): one call each."""
-        return all(opt._uniform_call_key(lists) for _, _, lists, _, _ in self.calls)
-
-    def conforms(self, opt, win: Window) -> bool:
-        """Whether Window.conform and conform_state would change nothing for the window's live
-        parameters (all of them): one extension call per group."""
-        cpp = backends._load("cpp")
-        if cpp is None:
-            return False
-        for _, params, lists, _, _ in self.calls:
-            tensors = [list(map(win.buffers.__getitem__, params))]
-            tensors += [lists[name] for name, key in opt._kept_state_entries.items()
-                        if key in ELEMENTWISE_STATE and lists[name]]
-            if not cpp.state_fits(params, tensors):
-                return False
-        return True
-
-    def update(self, opt, buffers: list[Tensor], weight_sum: float, clip_coef: Tensor | None,
-               last: dict | None = None) -> None:
-        """Window.close's update (``uniform`` holds): one ``opt._update`` per group. ``buffers``
-        and ``last["grads"]`` (a last micro-batch folded into the update pass) are aligned with
-        the plan's parameters, group after group."""
-        for group, params, lists, backend, span in self.calls:
-            fold = {} if last is None else {**last, "grads": last["grads"][span]}
-            opt._update(backend, group, params, buffers[span], lists=lists, weight_sum=weight_sum,
-                        clip_coef=clip_coef, **fold)
-
-    def buffers_of(self, win: Window) -> list[Tensor]:
-        return [win.buffers[p] for _, params, _, _, _ in self.calls for p in params]
-
-
-def window_listeners(opt) -> WindowListeners:
-    """``opt._window_listeners``, to register on. A copy of an optimizer (or one pickled before
-    listeners) may have a plain list (checkpoint.restore_defaults): it becomes a WindowListeners
-    here, so that copies of the copy carry no listener either."""
-    listeners = opt._window_listeners
-    if type(listeners) is not WindowListeners:
-        listeners = opt._window_listeners = WindowListeners(listeners)
-    return listeners
-
-
-def tell_transaction(opt, event: str) -> None:
-    """recovery.py: a pass of opt.run() begins ("transaction_begins") or failed
-    ("transaction_failed"); listeners that record per forward (accum_fused.nn) take it back."""
-    for listener in list(getattr(opt, "_window_listeners", ())):
-        told = getattr(listener, event, None)
-        if told is not None:
-            told(opt)
-
-
-def _tell_listeners(opt, closed: bool, applied: bool = False) -> None:
-    """The window ended: closed (``applied`` or not) or given up; see WindowListeners."""
-    for listener in list(getattr(opt, "_window_listeners", ())):
-        if closed:
-            listener.window_closed(opt, applied)
-        else:
-            listener.window_discarded(opt)
+            tell_listeners(opt, closed=False)

@@ -1,0 +1,278 @@
+"""Plain mode's step table and the update plan: the window's per-parameter lists, kept so that
+the host does no Python work per parameter when nothing changed.
+
+Owns: ``StepTable`` (csrc/step_table.cpp through backends.cpp_backend: every parameter of the
+optimizer in order, its buffer, whether it is live; a plain-mode micro-batch in one extension
+call, ``take_with_table``, and the window's closing one, ``StepTable.close``) and
+``UpdatePlan`` (per param group, the lists of one ``opt._update`` call, kept between closes
+while they stand: the step table's close and the in-backward modes' alike). Both are true to
+the Window they were built for and rebuilt on what makes them stale; Window.add_micro_batch
+(plain mode's Python path) is the spec they are tested against.
+"""
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .. import backends
+from ..backends._kernel_args import device_scalar
+from ..layout import ELEMENTWISE_STATE, conform_state, fits, kernel_view
+from .close import clip_for
+
+if TYPE_CHECKING:
+    from .state import Window
+
+
+def take_with_table(win, opt, weight: float, grad_scale: Tensor | None, found_inf: Tensor | None) -> bool:
+    """step() in plain mode, on a micro-batch that does not close the window: what
+    add_micro_batch does, in one extension call (StepTable) instead of a Python loop over the
+    parameters. False, with nothing changed, where the table cannot take it exactly so
+    (add_micro_batch then does, and is the spec this is tested against)."""
+    if opt.in_backward or win.shards is not None or win.parts_left:
+        return False
+    closing = win.closes_with(opt)
+    if closing and win.sync is not None:
+        return False
+    table = table_for(win, opt)
+    if table is None:
+        return False
+    present = table.cpp.check([group["params"] for group in opt.param_groups])
+    if present <= 0:  # (none: add_micro_batch warns; -1: something it must check, conform or raise)
+        if present < 0:
+            win.step_table = None
+        return False
+    plan = None
+    if closing:
+        try:
+            plan = table.closing_plan(opt, win, present)
+        finally:
+            if plan is None:  # (refused, or raised: the table must not keep the gradients alive)
+                table.cpp.drop_checked()
+        if plan is None:
+            return False
+    found_inf = win.running_found_inf(found_inf)
+    weight = win.enter_weight(weight)
+    win.count_micro_batch(opt, weight, found_inf)
+    if closing:
+        table.close(opt, win, plan, weight, grad_scale)
+        return True
+    newly_live, _, given, given_buffers, adopted = table.cpp.take(
+        weight, device_scalar(grad_scale, table.device), opt.accumulation_steps > 1)
+    if given:
+        gave_buffers(win, table, given, given_buffers, adopted)
+    if newly_live:
+        if not win.live and len(newly_live) == len(table.buffered):
+            win.live.update(table.buffered)  # (set to set: no tensor hashed again)
+        else:
+            win.live.update(table.params[i] for i in newly_live)
+    win.updated = False
+    return True
+
+
+def gave_buffers(win, table: StepTable, given: list[int], buffers: list[Tensor], adopted: int) -> None:
+    """The table gave these parameters buffers (their first ``adopted`` are autograd's
+    gradients, taken zero-copy and let go of when the window ends, as the in-backward hooks
+    adopt them; the rest fresh ones, kept): ``buffers`` follows, the table stays current."""
+    params = [table.params[i] for i in given]
+    win.buffers.update(zip(params, buffers))
+    if adopted:
+        win.adopted.update(params[:adopted])
+    if adopted < len(params):
+        win.buffers_version += 1  # (a buffer kept between windows; the table mirrors it: no version)
+    table.buffered.update(params)
+
+
+def table_for(win, opt) -> StepTable | None:
+    """The step table, true to ``buffers`` and ``live``; built (once per window at most)
+    when there is none or it went stale; None where plain mode's loop stays Python's."""
+    table = win.step_table
+    if table is not None and table.current(win):
+        return table
+    win.step_table = None
+    if win.table_blocked or backends.extension_paths(opt.backend) is None:
+        return None
+    win.table_blocked = True
+    win.step_table = StepTable.build(opt, win)
+    return win.step_table
+
+
+class StepTable:
+    """The extension's table of plain mode's micro-batches (csrc/step_table.cpp: every
+    parameter of the optimizer in order, its buffer, whether it is live), with what the window
+    needs back: the parameters by index, the set of those with buffers, the device, and the
+    window's ``version`` it is true to."""
+
+    def __init__(self, cpp, params: list[Tensor], buffered: set, device: torch.device, version: int) -> None:
+        self.cpp, self.params, self.buffered, self.device, self.version = cpp, params, buffered, device, version
+        self.state_conformed = False  # conform_state ran since it was built (what moves state makes it stale)
+
+    def current(self, win) -> bool:
+        """Whether the table is true to ``win``'s buffers and live set."""
+        return self.version == win.version and self.cpp.live_count == len(win.live)
+
+    @staticmethod
+    def build(opt, win: Window) -> StepTable | None:
+        """None where the table cannot stand in for add_micro_batch: parameters on several
+        devices or not plain tensors (DTensor, complex), a parameter the cpp backend does not
+        run, fused=True groups (torch's device checks), a live buffer that must follow its
+        parameter first (Window.conform). A stale buffer that no longer fits its parameter is
+        dropped here, as Window.conform drops it: the table then vouches for every buffer."""
+        cpp = backends.extension_paths(opt.backend)
+        params = opt._all_params()
+        if cpp is None or not params or any(group.get("fused") for group in opt.param_groups):
+            return None
+        device = params[0].device
+        buffers = []
+        for p in params:
+            if p.device != device or kernel_view(p) is not p or opt._backend_for(p) is not cpp:
+                return None
+            buf = win.buffers.get(p)
+            if buf is not None and not fits(buf, p):
+                if p in win.live or win.sync is not None:
+                    return None  # (Window.conform carries it along, or raises)
+                del win.buffers[p]  # stale: as Window.conform does, the next gradient allocates a fresh one
+                win.changed()
+                buf = None
+            buffers.append(buf)
+        live = [p in win.live for p in params]
+        adopted = [p in win.adopted for p in params]
+        # (DDP's buffers are views of its flat buckets: not to be replaced by gradients)
+        table = cpp.StepTable(params, buffers, live, adopted, may_adopt=win.may_adopt)
+        return StepTable(table, params, {p for p, buf in zip(params, buffers) if buf is not None}, device, win.version)
+
+    def closing_plan(self, opt, win: Window, present: int) -> UpdatePlan | None:
+        """How the window's closing micro-batch and the update run with no Python loop over the
+        parameters (the table's check found ``present`` gradients): the case training loops
+        give, where every parameter of the table has a gradient in the closing micro-batch, all
+        of them live in the window (or none: accumulation_steps=1), each param group of one
+        dtype and one call key (Adam's step count). None, with nothing changed, where
+        add_micro_batch must close it. Validates first, as add_micro_batch does: every buffer
+        fits (the table's check), the state is conformed."""
+        n = len(self.params)
+        if present != n or self.cpp.live_count not in (0, n) or not hasattr(opt, "_state_lists"):
+            return None
+        if self.cpp.missing_buffers():  # (a closing micro-batch without live buffers: Window.buffer allocates)
+            return None
+        if not self.cpp.conforms():
+            return None
+        if not self.state_conformed:
+            conform_state(opt.state, self.params, opt._param_name, opt._state_dtype_of)
+            self.state_conformed = True
+        plan = UpdatePlan.for_window(opt, win, build=True, every_live=False)
+        return plan if plan is not None and plan.count == n and plan.uniform(opt) else None
+
+    def close(self, opt, win: Window, plan: UpdatePlan, weight: float, grad_scale: Tensor | None) -> None:
+        """Take the closing micro-batch (counted by the caller) and close ``win`` with ``plan``."""
+        clear = opt.accumulation_steps > 1
+        last = norms = None
+        if opt._folds_last_micro_batch and win.folds_last(opt):  # (no ranks: take_with_table)
+            last = dict(grads=self.cpp.present_grads(), weight=weight, overwrite=self.cpp.live_count == 0,
+                        grad_scale=grad_scale)
+            self.cpp.release(clear)  # (the list keeps the gradients for the update pass)
+        else:
+            norm_weight_sum = win.weight_sum if opt.max_grad_norm is not None else None
+            # (every buffer is live at closing: none given, so no return but the norms matters)
+            norms = self.cpp.take(weight, device_scalar(grad_scale, self.device), clear, norm_weight_sum)[1]
+        win.live.update(self.buffered)
+
+        def update(weight_sum: float) -> None:
+            clip_coef = None if norms is None else clip_for(win, opt, torch.linalg.vector_norm(norms))
+            # (buffers read now, not kept with the plan: adopted buffers are new each window)
+            plan.update(opt, self.cpp.buffers(), weight_sum, clip_coef, last)
+        win.close(opt, (), weight, grad_scale, update=update)
+
+
+class UpdatePlan:
+    """Per param group, the arguments of one ``opt._update`` call besides the buffers and the
+    window's scalars (``opt._state_lists``), so that a window in which every parameter is live
+    updates each group in one call, with no Python loop over its parameters: the step table's
+    closing micro-batch (plain mode) and the in-backward modes' close alike. One extension call
+    checks that the buffers and state fit their parameters (``conforms``, instead of
+    Window.conform's loop). Kept on the window between closes while it stands: the param groups
+    hold the same parameters in the same order, the groups' list-shaping flags stand
+    (``state_key``) and every kept state tensor is still the one its entry holds
+    (``opt._state_lists_stand``: a state loaded, or replaced by hand, is read anew, as
+    torch.optim reads it). Built only where each group is of one dtype and one device and its
+    parameters are plain tensors; kept only where no state is missing (SGD's momentum buffers
+    exist after its first update)."""
+
+    def __init__(self, calls: list, key: tuple, complete: bool) -> None:
+        self.calls, self.key, self.complete = calls, key, complete  # calls: (group, params, lists, backend, span)
+        self.count = sum(len(params) for _, params, _, _, _ in calls)
+
+    @staticmethod
+    def for_window(opt, win: Window, build: bool, every_live: bool = True) -> UpdatePlan | None:
+        """The plan, when it stands (and ``every_live``: every parameter is live in ``win``);
+        else built anew where ``build`` (the update creates the state it holds) and it can be."""
+        if not hasattr(opt, "_state_lists") or win.shards is not None:
+            return None
+        plan = win.update_plan
+        if plan is not None and (not every_live or len(win.live) == plan.count) and plan.stand(opt):
+            return plan
+        win.update_plan = None
+        if not build or (every_live and len(win.live) != sum(len(group["params"]) for group in opt.param_groups)):
+            return None  # (and no state is created for a parameter the window leaves alone)
+        calls, start, complete = [], 0, True
+        for group in opt.param_groups:
+            params = list(group["params"])
+            if not params:
+                continue
+            first = params[0]
+            if any(p.dtype != first.dtype or p.device != first.device or kernel_view(p) is not p for p in params):
+                return None
+            lists = opt._state_lists(group, params)
+            complete &= not any(t is None for values in lists.values() for t in values)
+            calls.append((group, params, lists, opt._backend_for(first), slice(start, start + len(params))))
+            start += len(params)
+        plan = UpdatePlan(calls, UpdatePlan.state_key(opt), complete)
+        if complete:  # (state that the update creates: read again at the next close)
+            win.update_plan = plan
+        return plan
+
+    @staticmethod
+    def state_key(opt) -> tuple:
+        """What the kept lists' shape depends on beyond the parameters: the group flags that add
+        lists (amsgrad, momentum). Their tensors are checked by identity (``_state_lists_stand``)."""
+        return tuple((group.get("amsgrad"), group.get("momentum", 0) != 0) for group in opt.param_groups)
+
+    def stand(self, opt) -> bool:
+        groups = [group for group in opt.param_groups if group["params"]]
+        return (self.key == UpdatePlan.state_key(opt) and len(groups) == len(self.calls)
+                and all(group is kept_group and len(group["params"]) == len(params)
+                        and all(map(operator.is_, group["params"], params))
+                        and opt._state_lists_stand(params, lists)
+                        for group, (kept_group, params, lists, _, _) in zip(groups, self.calls)))
+
+    def uniform(self, opt) -> bool:
+        """Whether each group's parameters share one call key (Adam's step count): one call each."""
+        return all(opt._uniform_call_key(lists) for _, _, lists, _, _ in self.calls)
+
+    def conforms(self, opt, win: Window) -> bool:
+        """Whether Window.conform and conform_state would change nothing for the window's live
+        parameters (all of them): one extension call per group."""
+        cpp = backends._load("cpp")
+        if cpp is None:
+            return False
+        for _, params, lists, _, _ in self.calls:
+            tensors = [list(map(win.buffers.__getitem__, params))]
+            tensors += [lists[name] for name, key in opt._kept_state_entries.items()
+                        if key in ELEMENTWISE_STATE and lists[name]]
+            if not cpp.state_fits(params, tensors):
+                return False
+        return True
+
+    def update(self, opt, buffers: list[Tensor], weight_sum: float, clip_coef: Tensor | None,
+               last: dict | None = None) -> None:
+        """Window.close's update (``uniform`` holds): one ``opt._update`` per group. ``buffers``
+        and ``last["grads"]`` (a last micro-batch folded into the update pass) are aligned with
+        the plan's parameters, group after group."""
+        for group, params, lists, backend, span in self.calls:
+            fold = {} if last is None else {**last, "grads": last["grads"][span]}
+            opt._update(backend, group, params, buffers[span], lists=lists, weight_sum=weight_sum,
+                        clip_coef=clip_coef, **fold)
+
+    def buffers_of(self, win: Window) -> list[Tensor]:
+        return [win.buffers[p] for _, params, _, _, _ in self.calls for p in params]
