@@ -30,7 +30,7 @@ from .checkpoint import called_from_torch_checkpoint
 from . import framework_guard as guard
 from .layout import is_dtensor, kernel_view, readable_grad, state_dtype
 from .window import UpdatePlan, Window, WindowListeners
-from .window import table as window_table
+from .window import plain
 
 
 def _check_weight(weight) -> float:
@@ -303,12 +303,12 @@ class AccumulatingOptimizer:
         if weight is None:
             weight = 1.0 if win.pending_weight is None else win.pending_weight
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        if window_table.take_with_table(win, self, weight, grad_scale, found_inf):  # (the common micro-batch, in one C++ call)
+        if plain.take_with_table(win, self, weight, grad_scale, found_inf):  # (the common micro-batch, in one C++ call)
             return loss
         pairs = self._collect_grads()
         if not pairs and not self.in_backward and self.accumulation_steps > 1:  # (k=1: a no-op, as torch's)
             self._warn_no_gradient(weight)
-        win.add_micro_batch(self, pairs, weight, grad_scale, found_inf)
+        plain.add_micro_batch(win, self, pairs, weight, grad_scale, found_inf)
         if self.accumulation_steps > 1:
             for p, _ in pairs:
                 p.grad = None
@@ -342,7 +342,7 @@ class AccumulatingOptimizer:
         self._check_open("flush()")
         hooks.check_not_in_backward(self, "flush()")
         if self.in_backward and self.accumulation_steps == 1:
-            win.weight_sum = 1.0 if win.live else 0.0  # mode A: a sum (see Window.add_micro_batch)
+            win.weight_sum = 1.0 if win.live else 0.0  # mode A: a sum (see window.plain.add_micro_batch)
         if not (win.micro_step > 0 or win.spans_ranks):
             win.updated = False
             return False

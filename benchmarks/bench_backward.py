@@ -28,7 +28,7 @@ its own copy of the parameters, interleaved window by window (the first mover ro
   fb_only  k x (forward + backward) with hooks that drop each .grad, no optimizer: the floor
            that the model itself costs (not a training loop)
   plain_python_close  plain with the step table's closing plan switched off while it runs: its windows
-           close through Window.add_micro_batch and _apply_window (issue 31's before/after of
+           close through window.plain.add_micro_batch and _apply_window (issue 31's before/after of
            the closing micro-batch, in one run; not in the default set)
 
 Reported per clip setting: median ms/window, interquartile range, median of the per-round
@@ -140,7 +140,7 @@ class Contender:
     def window(self) -> None:
         if self.name != "plain_python_close":
             return self._window()
-        # (issue 31's A/B: the window closed by Window.add_micro_batch and _apply_window, as
+        # (issue 31's A/B: the window closed by window.plain.add_micro_batch and _apply_window, as
         # before the step table's closing plan, in the same run)
         closing_plan = accum_fused.window.StepTable.closing_plan
         accum_fused.window.StepTable.closing_plan = lambda *args: None

@@ -1,5 +1,5 @@
 """Plain mode's step table (csrc/step_table.cpp, window.StepTable) against the Python path it
-stands in for (Window.add_micro_batch: the spec).
+stands in for (window.plain.add_micro_batch: the spec).
 
 Every case trains the same model twice from the same start, once as it runs (the table takes
 the micro-batches that do not close a window) and once with the table switched off (every
@@ -22,7 +22,7 @@ from torch import nn
 
 import accum_fused
 from accum_fused import window as window_module
-from accum_fused.window import table as window_table
+from accum_fused.window import plain as window_plain
 
 from _helpers import built_without_extension
 
@@ -35,7 +35,7 @@ class Counted:
 
     def __init__(self, monkeypatch, off: bool) -> None:
         self.taken = self.closed = 0
-        original, original_close = window_table.take_with_table, window_module.StepTable.close
+        original, original_close = window_plain.take_with_table, window_module.StepTable.close
 
         def take_with_table(win, *args):
             if off:
@@ -48,7 +48,7 @@ class Counted:
             self.closed += 1
             return original_close(plan, *args)
 
-        monkeypatch.setattr(window_table, "take_with_table", take_with_table)
+        monkeypatch.setattr(window_plain, "take_with_table", take_with_table)
         monkeypatch.setattr(window_module.StepTable, "close", close)
 
 

@@ -5,12 +5,11 @@ Owns: the window's buffers (``buffers[p]``, the weighted gradient sum of the ope
 parameters are live, the micro-batch count, the weight total and its band, the found-inf flag,
 the counters ``micro_step`` / ``updated`` / ``update_count`` / ``last_grad_norm`` that the
 optimizer's properties read, and the cross-rank reducer the buffers belong to (``sync``:
-replicas, ``shards``: FSDP2). Its verbs: ``add_micro_batch`` (a whole micro-batch, from step()),
-``begin_micro_batch`` / ``accumulate_one`` / ``write_one`` / ``adopt`` / ``mark_written`` /
+replicas, ``shards``: FSDP2). Its verbs: ``begin_micro_batch`` / ``accumulate_one`` / ``write_one`` / ``adopt`` / ``mark_written`` /
 ``finish_micro_batch`` (one arriving parameter at a time, from in_backward.py's hooks),
 ``close`` (close.py), ``discard``, ``abandon`` (discard a window that held something, without
-closing it). Plain mode's micro-batches in one extension call, and the update's kept lists, are
-table.py's.
+closing it). Plain mode's micro-batches (a whole micro-batch from step()) are plain.py's; the
+step table and the update's kept lists table.py's.
 
 Must not: read ``.grad`` or touch hooks (the optimizer and in_backward.py hand gradients in),
 or do per-element math (backends do). It asks its optimizer, passed to the verbs that need it,
@@ -23,7 +22,6 @@ It holds no reference to the optimizer, so a framework wrapper that copies the o
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 
 import torch
 from torch import Tensor
@@ -190,48 +188,6 @@ class Window:
             self.weight_shift = band
         return math.ldexp(weight, -self.weight_shift)
 
-    def add_micro_batch(self, opt, pairs, weight: float, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
-        """step(): take one micro-batch, ``pairs`` of (param, grad), with ``weight``; on the
-        window's last micro-batch, close the window. Validates before anything changes."""
-        in_loss = self.backward_done and self.shards is not None
-        closing = self.closes_with(opt)
-        # The buffers this call writes, and at closing every buffer the update reads, fit their
-        # parameters (a current step table vouches for all of them in one call), and at closing
-        # the optimizer state too (once per table: what changes it makes the table stale).
-        table = self.step_table
-        if table is not None and table.current(self) and table.cpp.conforms():
-            if closing and not table.state_conformed:
-                params = [p for p, _ in pairs]
-                conform_state(opt.state, params + list(self.live.difference(params)), opt._param_name,
-                              opt._state_dtype_of)
-                table.state_conformed = True
-        elif closing and not pairs:  # (in_backward mode A's step(): the window is in the buffers)
-            self.conform_live(opt)
-        else:
-            params = [p for p, _ in pairs]
-            self.conform(opt, params + list(self.live.difference(params)) if closing else params, closing)
-        found_inf = self.running_found_inf(found_inf)
-        weight = self.enter_weight(weight)
-        grad_weight = 1.0 if in_loss else weight  # FSDP2: opt.backward scaled the loss by it
-        # Nothing above changed the window's meaning; from here on the micro-batch is taken.
-        self.count_micro_batch(opt, weight, found_inf)
-        if self.shards is not None and not opt.in_backward:  # (in_backward mode A sums: no weights)
-            self.late_weights.append(None if in_loss else weight)
-            if not pairs:
-                self.hold_grads()
-        if not closing:
-            self.accumulate(pairs, grad_weight, grad_scale, opt._backend_for)
-            self.updated = False
-        elif opt._folds_last_micro_batch and self.folds_last(opt):
-            self.close(opt, pairs, grad_weight, grad_scale)  # the last micro-batch folded into the update pass
-        else:
-            # Clipping needs the whole window's norm first: the last accumulate pass returns it
-            # (across ranks the norms are measured on the reduced sums instead).
-            local_norms = opt.max_grad_norm is not None and not self.spans_ranks
-            norms = self.accumulate(pairs, grad_weight, grad_scale, opt._backend_for,
-                                    norm_weight_sum=self.weight_sum if local_norms else None)
-            self.close(opt, (), grad_weight, None, norms)
-
     def running_found_inf(self, found_inf: Tensor | None) -> Tensor | None:
         """The window's non-finite flag with this micro-batch's (GradScaler's) added: summed on
         the device, so no host synchronisation per micro-batch."""
@@ -302,32 +258,6 @@ class Window:
         """A micro-batch arrived without gradients: with FSDP2 they were held back
         (set_requires_gradient_sync(False)) and arrive summed with a later one's."""
         self.grads_held |= self.shards is not None
-
-    def accumulate(self, pairs, weight: float, grad_scale: Tensor | None, backend_for,
-                   norm_weight_sum: float | None = None) -> dict[Tensor, Tensor]:
-        """Add one micro-batch into the buffers. With ``norm_weight_sum``, also return
-        {param: ||acc / norm_weight_sum||} for the parameters accumulated here."""
-        calls = defaultdict(list)
-        for p, grad in pairs:
-            overwrite = p not in self.live
-            calls[(p.device, p.dtype, grad.dtype, overwrite)].append((p, grad))
-        norms = {}
-        for (_, _, _, overwrite), items in calls.items():
-            call_norms = backend_for(items[0][0]).accumulate(
-                grads=[kernel_view(g) for _, g in items],
-                buffers=[kernel_view(self.buffer(p)) for p, _ in items],
-                weight=weight,
-                overwrite=overwrite,
-                grad_scale=grad_scale,
-                norm_weight_sum=norm_weight_sum,
-            )
-            if call_norms is not None:
-                norms.update(zip([p for p, _ in items], call_norms.unbind()))
-        self.live.update(p for p, _ in pairs)
-        table = self.step_table
-        if table is not None and table.version == self.version:
-            table.cpp.mark_live([p for p, _ in pairs])
-        return norms
 
     def accumulate_one(self, p: Tensor, grad: Tensor, weight: float, backend,
                        norm_weight_sum: float | None = None) -> Tensor | None:

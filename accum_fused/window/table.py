@@ -6,8 +6,8 @@ optimizer in order, its buffer, whether it is live; a plain-mode micro-batch in 
 call, ``take_with_table``, and the window's closing one, ``StepTable.close``) and
 ``UpdatePlan`` (per param group, the lists of one ``opt._update`` call, kept between closes
 while they stand: the step table's close and the in-backward modes' alike). Both are true to
-the Window they were built for and rebuilt on what makes them stale; Window.add_micro_batch
-(plain mode's Python path) is the spec they are tested against.
+the Window they were built for and rebuilt on what makes them stale; plain.py's
+add_micro_batch (plain mode's Python path) is the spec they are tested against.
 """
 from __future__ import annotations
 
@@ -24,79 +24,6 @@ from .close import clip_for
 
 if TYPE_CHECKING:
     from .state import Window
-
-
-def take_with_table(win, opt, weight: float, grad_scale: Tensor | None, found_inf: Tensor | None) -> bool:
-    """step() in plain mode, on a micro-batch that does not close the window: what
-    add_micro_batch does, in one extension call (StepTable) instead of a Python loop over the
-    parameters. False, with nothing changed, where the table cannot take it exactly so
-    (add_micro_batch then does, and is the spec this is tested against)."""
-    if opt.in_backward or win.shards is not None or win.parts_left:
-        return False
-    closing = win.closes_with(opt)
-    if closing and win.sync is not None:
-        return False
-    table = table_for(win, opt)
-    if table is None:
-        return False
-    present = table.cpp.check([group["params"] for group in opt.param_groups])
-    if present <= 0:  # (none: add_micro_batch warns; -1: something it must check, conform or raise)
-        if present < 0:
-            win.step_table = None
-        return False
-    plan = None
-    if closing:
-        try:
-            plan = table.closing_plan(opt, win, present)
-        finally:
-            if plan is None:  # (refused, or raised: the table must not keep the gradients alive)
-                table.cpp.drop_checked()
-        if plan is None:
-            return False
-    found_inf = win.running_found_inf(found_inf)
-    weight = win.enter_weight(weight)
-    win.count_micro_batch(opt, weight, found_inf)
-    if closing:
-        table.close(opt, win, plan, weight, grad_scale)
-        return True
-    newly_live, _, given, given_buffers, adopted = table.cpp.take(
-        weight, device_scalar(grad_scale, table.device), opt.accumulation_steps > 1)
-    if given:
-        gave_buffers(win, table, given, given_buffers, adopted)
-    if newly_live:
-        if not win.live and len(newly_live) == len(table.buffered):
-            win.live.update(table.buffered)  # (set to set: no tensor hashed again)
-        else:
-            win.live.update(table.params[i] for i in newly_live)
-    win.updated = False
-    return True
-
-
-def gave_buffers(win, table: StepTable, given: list[int], buffers: list[Tensor], adopted: int) -> None:
-    """The table gave these parameters buffers (their first ``adopted`` are autograd's
-    gradients, taken zero-copy and let go of when the window ends, as the in-backward hooks
-    adopt them; the rest fresh ones, kept): ``buffers`` follows, the table stays current."""
-    params = [table.params[i] for i in given]
-    win.buffers.update(zip(params, buffers))
-    if adopted:
-        win.adopted.update(params[:adopted])
-    if adopted < len(params):
-        win.buffers_version += 1  # (a buffer kept between windows; the table mirrors it: no version)
-    table.buffered.update(params)
-
-
-def table_for(win, opt) -> StepTable | None:
-    """The step table, true to ``buffers`` and ``live``; built (once per window at most)
-    when there is none or it went stale; None where plain mode's loop stays Python's."""
-    table = win.step_table
-    if table is not None and table.current(win):
-        return table
-    win.step_table = None
-    if win.table_blocked or backends.extension_paths(opt.backend) is None:
-        return None
-    win.table_blocked = True
-    win.step_table = StepTable.build(opt, win)
-    return win.step_table
 
 
 class StepTable:
