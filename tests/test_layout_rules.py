@@ -43,24 +43,29 @@ def _params():
                 yield f"{dtype}-{layout_name}", p
 
 
+def _others():
+    """Every tensor a rule is asked about beside a parameter: each dtype, device and layout."""
+    for dtype, device in itertools.product(REAL + OTHER, ("cpu", "meta")):
+        for name, t in _tensors(dtype, device).items():
+            yield (dtype, device, name), t
+
+
 @pytest.mark.parametrize("param_id,param", list(_params()))
 def test_fits_is_layout_fits(param_id, param):
     rules = _rules()
-    for dtype, device in itertools.product(REAL + OTHER, ("cpu", "meta")):
-        for name, t in _tensors(dtype, device).items():
-            expected = layout.fits(t, param) and param.dtype in REAL
-            assert rules.fits(t, param) == expected, (param_id, dtype, device, name)
-            # (state_fits: the same rule over lists; a parameter of a dtype it does not know: no)
-            assert rules.state_fits([param], [[t]]) == expected, (param_id, dtype, device, name)
+    for case, t in _others():
+        expected = layout.fits(t, param) and param.dtype in REAL
+        assert rules.fits(t, param) == expected, (param_id, case)
+        # (state_fits: the same rule over lists; a parameter of a dtype it does not know: no)
+        assert rules.state_fits([param], [[t]]) == expected, (param_id, case)
 
 
 @pytest.mark.parametrize("param_id,param", list(_params()))
 def test_adoptable_is_layout_adoptable(param_id, param):
     rules = _rules()
-    for dtype, device in itertools.product(REAL + OTHER, ("cpu", "meta")):
-        for name, grad in _tensors(dtype, device).items():
-            expected = layout.adoptable(grad, param) and param.dtype in REAL
-            assert rules.adoptable(grad, param) == expected, (param_id, dtype, device, name)
+    for case, grad in _others():
+        expected = layout.adoptable(grad, param) and param.dtype in REAL
+        assert rules.adoptable(grad, param) == expected, (param_id, case)
 
 
 def test_kernel_grad_takes_the_kernel_dtypes_with_readable_memory():

@@ -85,13 +85,14 @@ def check_name(name: str) -> None:
         )
 
 
-def extension_paths(name: str) -> ModuleType | None:
+def extension_paths(name: str, *, table: bool = False) -> ModuleType | None:
     """The extension's backend (cpp_backend) where the user's backend choice ``name`` lets its
-    host-side paths run (plain mode's step table, in_backward's C++ hooks), else None. Each path
-    takes only what it runs exactly as the choice would (the table: the cpp backend's
-    parameters; the hooks: those, and on a GPU every gradient, added with torch's ops whatever
-    the backend), so only the reference, the spec, keeps Python's paths alone."""
-    return None if name not in (AUTO, "cpp", "triton") else _load("cpp")
+    host-side paths run, else None. Each path takes only what it runs exactly as the choice
+    would: in_backward's C++ hooks take the cpp backend's parameters and, on a GPU, every
+    gradient (added with torch's ops whatever the backend), so "triton" gets them too; plain
+    mode's step table (``table``) runs the cpp backend's kernels only. The reference, the spec,
+    keeps Python's paths alone."""
+    return None if name not in ((AUTO, "cpp") if table else (AUTO, "cpp", "triton")) else _load("cpp")
 
 
 def _auto_candidates(device: torch.device) -> tuple[str, ...]:

@@ -124,7 +124,7 @@ def table_for(win, opt) -> StepTable | None:
     if table is not None and table.current(win):
         return table
     win.step_table = None
-    if win.table_blocked or backends.extension_paths(opt.backend) is None:
+    if win.table_blocked or backends.extension_paths(opt.backend, table=True) is None:
         return None
     win.table_blocked = True
     win.step_table = StepTable.build(opt, win)

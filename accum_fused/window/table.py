@@ -47,7 +47,7 @@ class StepTable:
         run, fused=True groups (torch's device checks), a live buffer that must follow its
         parameter first (Window.conform). A stale buffer that no longer fits its parameter is
         dropped here, as Window.conform drops it: the table then vouches for every buffer."""
-        cpp = backends.extension_paths(opt.backend)
+        cpp = backends.extension_paths(opt.backend, table=True)
         params = opt._all_params()
         if cpp is None or not params or any(group.get("fused") for group in opt.param_groups):
             return None
