@@ -7,29 +7,25 @@ and ``step`` / ``flush`` / ``backward`` / ``set_micro_batch_weight`` / ``zero_gr
 delegate: the open window and its closing to ``accum_fused.window``, backward passes to
 ``in_backward.py``, checkpoint layouts to ``checkpoint.py``, ranks to ``distributed.py``.
 
-Must not: do window arithmetic, per-element math or per-class update math (``_update`` is
-the subclasses', as is GradientAccumulator's ``_apply_window``; here only which parameters an
-update takes and how they group into backend calls), or hold any of the window's state
-outside ``_window``.
+Must not: do window arithmetic, per-element math or per-class update math (the class's
+``update_spec``, update.py and optim.py), or hold any of the window's state outside ``_window``.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import numbers
-import operator
 import warnings
-from collections import defaultdict
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from . import backends, checkpoint, ddp, distributed, in_backward as hooks
+from . import checkpoint, ddp, distributed, in_backward as hooks
 from .checkpoint import called_from_torch_checkpoint
 from . import framework_guard as guard
-from .layout import is_dtensor, kernel_view, readable_grad, state_dtype
-from .window import UpdatePlan, Window, WindowListeners
+from .layout import is_dtensor, readable_grad, state_dtype
+from .update import UpdateSpec
+from .window import Window, WindowListeners
 from .window import plain
 
 
@@ -69,19 +65,16 @@ class AccumulatingOptimizer:
     """The entry points shared by SGD, Adam, AdamW and GradientAccumulator.
 
     The open window is ``self._window`` (window.Window), created once and never re-bound.
-    Subclasses implement ``_update`` (one backend call: SGD's or Adam's state and math), or
-    override ``_apply_window`` (GradientAccumulator: the window gradient into ``.grad``, inner step).
+    Subclasses name their update (``update_spec``: optim.py's SGDUpdate, AdamUpdate, WrappedUpdate).
     """
 
     # torch.amp.GradScaler.step: hand us grad_scale / found_inf instead of unscaling .grad.
     _step_supports_amp_scaling = True
     # State that stays in state_dtype whatever the parameter dtype (torch would cast it).
     _wide_state_keys: tuple[str, ...] = ()
-    # The dtype the elementwise state follows when a parameter changes dtype or device (None: kept).
-    _state_dtype_of = staticmethod(state_dtype)
-    # Fuse the window's last micro-batch into the update pass when nothing needs the whole
-    # window's sums first (clipping, a cross-rank reduce).
-    _folds_last_micro_batch = True
+    # The update this class gives its window (update.UpdateSpec; optim.py's, per class): the
+    # one surface through which the window's modules reach the optimizer.
+    update_spec: UpdateSpec = UpdateSpec()
 
     # (Properties with docstrings, written out: the API reference reads them from the source.)
     @property
@@ -207,32 +200,13 @@ class AccumulatingOptimizer:
         return distributed.shard_mesh(owned + tensors, type(self).__name__)
 
     def _all_params(self) -> list[Tensor]:
-        return [p for group in self.param_groups for p in group["params"]]
+        return self.update_spec.params(self)
 
     def _param_name(self, p: Tensor) -> str:
-        """How errors name ``p``: by its name where the optimizer was given names
-        (``model.named_parameters()``, as torch.optim accepts), else by its index."""
-        index = 0
-        for group in self.param_groups:
-            names = group.get("param_names")
-            for i, q in enumerate(group["params"]):
-                if q is p:
-                    what = f"{tuple(p.shape)}, {p.dtype}, {p.device}"
-                    if names is not None:
-                        return f"parameter {names[i]!r} (index {index}, {what})"
-                    return (f"parameter {index} ({what}; build the optimizer from model.named_parameters() to see "
-                            "names here)")
-                index += 1
-        return f"a parameter this {type(self).__name__} does not hold ({tuple(p.shape)})"
+        return self.update_spec.name(self, p)
 
     def _backend_for(self, param: Tensor):
-        # Asked once per parameter per micro-batch by the in-backward hooks: resolving costs
-        # 4-5 us there, a lookup a fraction of that.
-        key = (self.backend, param.device, param.dtype)
-        backend = self._backends.get(key)
-        if backend is None:
-            backend = self._backends[key] = backends.resolve(self.backend, param.device, param.dtype.to_real())
-        return backend
+        return self.update_spec.backend_for(self, param)
 
     def _collect_grads(self) -> list[tuple[Tensor, Tensor]]:
         """(param, grad) for every parameter with a gradient, validated: no sparse gradient,
@@ -482,73 +456,6 @@ class AccumulatingOptimizer:
             chain = [*_global_optimizer_pre_hooks.values(), *self._optimizer_step_pre_hooks.values()]
         for hook in chain:
             hook(self, (), {})
-
-    # --------------------------------------------------------------------------- updating
-    def _apply_window(self, last_grads, last_weight, grad_scale, weight_sum, clip_coef) -> None:
-        """SGD/Adam/AdamW (Window.close calls this): update every parameter of the window with
-        its gradient (the last micro-batch folded in where ``last_grads`` holds it), group by
-        group, in ``_update`` calls that share (device, dtype), the call key (Adam's step count)
-        and how the last micro-batch folds in."""
-        win = self._window
-        if not last_grads:  # (every parameter live: the kept lists, one call per group)
-            plan = UpdatePlan.for_window(self, win, build=True)
-            if plan is not None and plan.uniform(self):
-                plan.update(self, plan.buffers_of(win), weight_sum, clip_coef)
-                return
-        for group in self.param_groups:
-            # (a parameter without a gradient all window is left alone, as torch leaves it)
-            params = [p for p in group["params"] if p in win.live or p in last_grads]
-            calls = defaultdict(list)
-            for p, call_key in zip(params, self._call_keys(params)):
-                grad = last_grads.get(p)
-                win.buffer(p)
-                fold = None if grad is None else (grad.dtype, p not in win.live)
-                calls[(p.device, p.dtype, call_key, fold)].append(p)
-            for (_, _, _, fold), params in calls.items():
-                last = {}
-                if fold is not None:
-                    last = dict(grads=[kernel_view(last_grads[p]) for p in params], weight=last_weight,
-                                overwrite=fold[1], grad_scale=grad_scale)
-                self._update(self._backend_for(params[0]), group, params,
-                             [kernel_view(win.buffers[p]) for p in params],
-                             weight_sum=weight_sum, clip_coef=clip_coef, **last)
-
-    def _call_keys(self, params: list[Tensor]) -> list:
-        """Per parameter, an extra key for parameters that cannot share one backend call (none by
-        default)."""
-        return [None] * len(params)
-
-    # ``_state_lists``' lists of state tensors, by the state entry each holds (per class)
-    _kept_state_entries: dict[str, str] = {}
-
-    def _state_lists_stand(self, params: list[Tensor], lists: dict[str, list]) -> bool:
-        """Whether ``lists`` (``_state_lists(group, params)``, kept by window.UpdatePlan) still
-        hold the state's own tensors: a state dict or entry replaced by hand (``opt.state[p] =
-        {}``, ``opt.state[p]["exp_avg"] = t``) makes them stale, as torch.optim would read the
-        new one. Identity checks only: no tensor is read."""
-        states = list(map(self.state.get, params))
-        if not all(map(operator.is_, states, lists["states"])):
-            return False
-        for name, key in self._kept_state_entries.items():
-            kept = lists[name]
-            if not kept:
-                continue
-            try:  # (map over dict.get: no Python frame per parameter)
-                entries = list(map(dict.get, states, itertools.repeat(key)))
-            except TypeError:  # (a parameter without a state dict)
-                entries = [None if state is None else state.get(key) for state in states]
-            if not all(map(operator.is_, entries, kept)):
-                return False
-        return True
-
-    def _uniform_call_key(self, lists: dict[str, list]) -> bool:
-        """Whether the parameters of ``_state_lists``'s ``lists`` share one call key (see
-        ``_call_keys``): window.UpdatePlan asks it before one call updates them all."""
-        return True
-
-    def _update(self, backend, group, params, buffers, lists=None, **window) -> None:
-        """One backend call updating ``params`` (``lists``: their ``_state_lists``, when kept)."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ checkpoint, copies
     def state_dict(self) -> dict[str, Any]:

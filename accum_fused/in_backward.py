@@ -162,7 +162,7 @@ def by_torch_ops(p: Tensor) -> bool:
 def _one_gradient_backend(opt, p: Tensor):
     """The backend that adds one gradient of ``p`` (an in-backward hook's): see by_torch_ops."""
     from .backends import reference
-    return reference if by_torch_ops(p) else opt._backend_for(p)
+    return reference if by_torch_ops(p) else opt.update_spec.backend_for(opt, p)
 
 
 class FastPath:
@@ -264,7 +264,7 @@ class FastPath:
             if p is first or not _is_plain(p) or p in complete:
                 continue
             torch_ops = by_torch_ops(p)  # (the hooks add its gradient with torch's ops: any backend's)
-            if not torch_ops and opt._backend_for(p) is not cpp_backend:
+            if not torch_ops and opt.update_spec.backend_for(opt, p) is not cpp_backend:
                 continue
             live = p in win.live
             buf = win.buffers.get(p)
@@ -311,9 +311,10 @@ class FastPath:
         win = opt._window
         # (built here once every parameter has state: a first update creates it in Python)
         kept = UpdatePlan.for_window(opt, win, build=len(opt.state) >= len(win.live))
-        if kept is None or not kept.complete or not hasattr(opt, "_hyperparameters"):
+        spec = opt.update_spec
+        if kept is None or not kept.complete or not spec.has_lists:
             return False
-        params = opt._all_params()
+        params = spec.params(opt)
         slots = list(self.slots_of(params))
         if None in slots:
             return False
@@ -322,11 +323,11 @@ class FastPath:
             n = len(group_params)
             if backend is not cpp_backend or by_torch_ops(group_params[0]) \
                     or not _folds_in_extension(group_params[0], group) \
-                    or not opt._uniform_call_key(lists):
+                    or not spec.uniform_call_key(opt, lists):
                 return False
-            hyper = opt._hyperparameters(group)
+            hyper = spec.hyperparameters(group)
             adam = "beta1" in hyper
-            specs.append(_fold_spec(hyper, int(lists["steps"][0].item()) + 1 if adam else None))
+            specs.append(_fold_spec(hyper, spec.fold_count(lists["steps"][0], {}) if adam else None))
             if adam:
                 columns = (lists["exp_avgs"], lists["exp_avg_sqs"], lists["max_exp_avg_sqs"] or [None] * n,
                            lists["steps"])
@@ -427,8 +428,8 @@ class FastPath:
 
     def window_norms(self, opt, mb: BackwardPass) -> list[Tensor | None]:
         """The norms the pass measured (``mb.norms``, ``mb.slot_norms``), aligned with
-        ``opt._all_params()``: None where none was measured."""
-        params = opt._all_params()
+        the spec's ``params(opt)``: None where none was measured."""
+        params = opt.update_spec.params(opt)
         norms = list(map(mb.slot_norms.get, self.slots_of(params)))
         if mb.norms:
             for i in [i for i, norm in enumerate(norms) if norm is None]:
@@ -438,7 +439,7 @@ class FastPath:
 
 class _FoldArgs:
     """For a pass that updates each parameter in its hook: per parameter, which group update
-    (the scalars cpp_backend computes from what ``opt._update`` hands the same op) and which
+    (the scalars cpp_backend computes from what the update spec's ``update`` hands the same op) and which
     state."""
 
     def __init__(self) -> None:
@@ -453,32 +454,26 @@ class _FoldArgs:
     def read_step_counts(self, opt, params: list[Tensor]) -> None:
         """Every Adam step count at once (one stack and one tolist: a .item() per parameter cost
         ~1 us each); ``add`` falls back to .item() for one it does not find."""
-        steps = [state.get("step") for state in map(opt.state.get, params) if state]
-        steps = [step for step in steps if isinstance(step, Tensor)]
-        try:
-            values = torch.stack(steps).tolist() if steps else []
-        except RuntimeError:  # (steps of several dtypes or devices: a loaded, unusual state)
-            return
-        self.step_counts = {id(step): int(value) for step, value in zip(steps, values)}
+        self.step_counts = opt.update_spec.step_counts(opt, params)
 
     def add(self, opt, p: Tensor, overwrite: bool) -> bool:
         """Record ``p``'s fold; False when it stays Python's (an optimizer without
-        ``_hyperparameters``, state that a first update creates)."""
+        per-group update lists, state that a first update creates)."""
+        spec = opt.update_spec
         state = opt.state.get(p)
-        if not hasattr(opt, "_hyperparameters") or not state:
+        if not spec.has_lists or not state:
             return False
         group = opt._group_of[p]
         if not _folds_in_extension(p, group):
             return False
         hyper = self.hyperparameters.get(id(group))
         if hyper is None:
-            hyper = self.hyperparameters[id(group)] = opt._hyperparameters(group)
+            hyper = self.hyperparameters[id(group)] = spec.hyperparameters(group)
         if "beta1" in hyper:  # Adam, AdamW
             step = state.get("step")
             if step is None:
                 return False
-            count = self.step_counts.get(id(step))
-            count = (int(step.item()) if count is None else count) + 1  # (Adam._update counts this update first)
+            count = spec.fold_count(step, self.step_counts)
             key = (id(group), count)
             if key not in self.index:
                 self._new_spec(key, _fold_spec(hyper, count))
@@ -509,7 +504,7 @@ def _folds_in_extension(p: Tensor, group) -> bool:
 
 def _fold_spec(hyper: dict, count: int | None) -> dict:
     """The extension's update of a folded parameter (hooks.cpp's FoldSpec): the scalars
-    cpp_backend computes from ``opt._hyperparameters(group)``, at step ``count`` for Adam."""
+    cpp_backend computes from the update spec's ``hyperparameters(group)``, at step ``count`` for Adam."""
     from .backends import cpp_backend
     if "beta1" in hyper:  # Adam, AdamW
         return dict(kind="adam", **cpp_backend.adam_scalars(step=count, **hyper))
@@ -892,7 +887,8 @@ def _add(opt, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
     if p not in win.live or not mb.closing:  # (a closing pass conformed the live buffers as it began)
         win.conform(opt, [p], closing=mb.closing)  # (a dtype or device changed since: the buffer follows)
     if mb.fold and not again and not written:
-        opt._update(opt._backend_for(p), opt._group_of[p], [p], [kernel_view(win.buffer(p))], weight_sum=mb.weight_sum,
+        spec = opt.update_spec
+        spec.update(opt, spec.backend_for(opt, p), opt._group_of[p], [p], [kernel_view(win.buffer(p))], weight_sum=mb.weight_sum,
                     clip_coef=None, grads=[kernel_view(grad)], weight=mb.weight, overwrite=p not in win.live,
                     grad_scale=None)
         mb.done.add(p)

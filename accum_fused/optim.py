@@ -1,8 +1,9 @@
 """SGD, Adam and AdamW that accumulate gradients inside the optimizer, and GradientAccumulator.
 
 Owns: the public classes: their torch.optim-compatible constructors and argument checks, and
-per class the update a window ends with (``_update``: which state one backend call takes;
-GradientAccumulator's ``_apply_window``: the window gradient into ``.grad``, the inner step).
+per class the update a window ends with, as the class's ``update_spec`` (update.UpdateSpec:
+SGDUpdate, AdamUpdate: which state one backend call takes; WrappedUpdate: the window gradient
+into ``.grad``, then the inner step).
 The entry points they share (step, flush, backward, state_dict, ...) are ``base.py``'s.
 Must not: do window bookkeeping or per-element math (``accum_fused.window``, ``accum_fused.backends``).
 
@@ -24,6 +25,7 @@ from .base import AccumulatingOptimizer, check_accumulation_steps
 from . import framework_guard as guard
 from .backends.reference import BF16_UPDATES, hash32
 from .layout import kernel_view, like_param, state_dtype
+from .update import UpdateSpec, step_count
 
 __all__ = ["SGD", "Adam", "AdamW", "GradientAccumulator"]
 
@@ -150,6 +152,37 @@ class _Bf16Rounding:
         return dict(bf16_update=mode, rounding_keys=keys)
 
 
+class SGDUpdate(UpdateSpec):
+    """SGD's update: one backend ``sgd_update`` per call, momentum buffers as its state."""
+
+    kept_state_entries = {"momentum_buffers": "momentum_buffer"}
+
+    @staticmethod
+    def hyperparameters(group) -> dict[str, Any]:
+        return dict(lr=_lr(group), momentum=_as_float(group["momentum"]), dampening=_as_float(group["dampening"]),
+                    weight_decay=_as_float(group["weight_decay"]), nesterov=group["nesterov"],
+                    maximize=group["maximize"])
+
+    def state_lists(self, opt, group, params) -> dict[str, list]:
+        # (not kept while a momentum buffer is still None: window.UpdatePlan's ``complete``)
+        # .get on the defaultdict: SGD without momentum keeps no per-parameter entry, as torch.
+        states = [opt.state.get(p) for p in params]
+        return dict(states=states, params=[kernel_view(p) for p in params],
+                    momentum_buffers=[None if s is None or s.get("momentum_buffer") is None
+                                      else kernel_view(s["momentum_buffer"]) for s in states])
+
+    def update(self, opt, backend, group, params, buffers, lists=None, **window) -> None:
+        hyper = self.hyperparameters(group)
+        lists = lists or self.state_lists(opt, group, params)
+        momentum_buffers = list(lists["momentum_buffers"])  # (the backend fills in new ones)
+        backend.sgd_update(params=lists["params"], buffers=buffers, momentum_buffers=momentum_buffers, **hyper,
+                           **window, **opt._rounding_args(group, params))
+        if hyper["momentum"] != 0 and any(b is None for b in lists["momentum_buffers"]):
+            for p, momentum_buffer in zip(params, momentum_buffers):
+                if opt.state[p].get("momentum_buffer") is None:  # new: a backend made it from local shards
+                    opt.state[p]["momentum_buffer"] = like_param(momentum_buffer, p)
+
+
 class SGD(_Bf16Rounding, AccumulatingOptimizer, torch.optim.SGD):
     """torch.optim.SGD with gradient accumulation (docs/getting-started.md, docs/concepts.md).
 
@@ -158,7 +191,7 @@ class SGD(_Bf16Rounding, AccumulatingOptimizer, torch.optim.SGD):
     """
 
     _wide_state_keys = ("momentum_buffer",)
-    _kept_state_entries = {"momentum_buffers": "momentum_buffer"}
+    update_spec = SGDUpdate()
 
     def __init__(self, params, lr: float | Tensor = 1e-3, momentum: float = 0, dampening: float = 0,
                  weight_decay: float | Tensor = 0, nesterov: bool = False, *, maximize: bool = False,
@@ -182,38 +215,63 @@ class SGD(_Bf16Rounding, AccumulatingOptimizer, torch.optim.SGD):
                         self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=state_dtype(p))
             self._init_rounding_state(group, [p for p in group["params"] if p.requires_grad])
 
-    def _hyperparameters(self, group) -> dict[str, Any]:
-        """The group's arguments of every backend's ``sgd_update`` (and of in_backward's
-        extension hooks, which fold a parameter's update with the same op)."""
-        return dict(lr=_lr(group), momentum=_as_float(group["momentum"]), dampening=_as_float(group["dampening"]),
-                    weight_decay=_as_float(group["weight_decay"]), nesterov=group["nesterov"],
-                    maximize=group["maximize"])
-
-    def _state_lists(self, group, params) -> dict[str, list]:
-        """The per-parameter tensors of one ``_update`` call (window.UpdatePlan keeps them
-        while the optimizer state stays the same: not while a momentum buffer is still None)."""
-        # .get on the defaultdict: SGD without momentum keeps no per-parameter entry, as torch.
-        states = [self.state.get(p) for p in params]
-        return dict(states=states, params=[kernel_view(p) for p in params],
-                    momentum_buffers=[None if s is None or s.get("momentum_buffer") is None
-                                      else kernel_view(s["momentum_buffer"]) for s in states])
-
-    def _update(self, backend, group, params, buffers, lists=None, **window) -> None:
-        hyper = self._hyperparameters(group)
-        momentum = hyper["momentum"]
-        lists = lists or self._state_lists(group, params)
-        momentum_buffers = list(lists["momentum_buffers"])  # (the backend fills in new ones)
-        backend.sgd_update(params=lists["params"], buffers=buffers, momentum_buffers=momentum_buffers, **hyper,
-                           **window, **self._rounding_args(group, params))
-        if momentum != 0 and any(b is None for b in lists["momentum_buffers"]):
-            for p, momentum_buffer in zip(params, momentum_buffers):
-                if self.state[p].get("momentum_buffer") is None:  # new: a backend made it from local shards
-                    self.state[p]["momentum_buffer"] = like_param(momentum_buffer, p)
-
 
 # torch.optim.Adam takes decoupled_weight_decay from torch 2.7 (AdamW became Adam with it); before,
 # AdamW was a class of its own: the flag is then kept in the groups here, as 2.7 keeps it.
 _ADAM_DECOUPLES = "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters
+
+
+class AdamUpdate(UpdateSpec):
+    """Adam's and AdamW's update: one backend ``adam_update`` per call, at one step count
+    (bias corrections depend on it: parameters that missed windows are updated apart)."""
+
+    kept_state_entries = {"steps": "step", "exp_avgs": "exp_avg", "exp_avg_sqs": "exp_avg_sq",
+                          "max_exp_avg_sqs": "max_exp_avg_sq"}
+
+    @staticmethod
+    def hyperparameters(group) -> dict[str, Any]:
+        beta1, beta2 = group["betas"]
+        return dict(lr=_lr(group), beta1=_as_float(beta1), beta2=_as_float(beta2), eps=_as_float(group["eps"]),
+                    weight_decay=_as_float(group["weight_decay"]), amsgrad=group["amsgrad"],
+                    maximize=group["maximize"], decoupled_weight_decay=group["decoupled_weight_decay"])
+
+    def call_keys(self, opt, params: list[Tensor]) -> list[int]:
+        steps = [opt.state.get(p, {}).get("step") for p in params]
+        known = self.step_counts(opt, params)
+        return [0 if step is None else step_count(step, known) for step in steps]
+
+    def fold_count(self, step: Tensor | None, known: dict[int, int]) -> int | None:
+        return step_count(step, known) + 1  # (``update`` adds one to every step count first)
+
+    def uniform_call_key(self, opt, lists: dict[str, list]) -> bool:
+        cpp = backends._load("cpp")
+        equal = None if cpp is None else cpp.equal_scalars(lists["steps"])  # (CPU step counts: no stack)
+        if equal is not None:
+            return equal
+        try:
+            steps = torch.stack(lists["steps"])  # (one comparison for all: no .item() per parameter)
+        except RuntimeError:  # (step tensors of several dtypes or devices: a loaded, unusual state)
+            return False
+        return bool((steps == steps[0]).all())
+
+    def state_lists(self, opt, group, params) -> dict[str, list]:
+        states = [opt._init_param_state(p, group) for p in params]
+        return dict(states=states, steps=[s["step"] for s in states], params=[kernel_view(p) for p in params],
+                    exp_avgs=[kernel_view(s["exp_avg"]) for s in states],
+                    exp_avg_sqs=[kernel_view(s["exp_avg_sq"]) for s in states],
+                    max_exp_avg_sqs=[kernel_view(s["max_exp_avg_sq"]) for s in states] if group["amsgrad"] else [])
+
+    def update(self, opt, backend, group, params, buffers, lists=None, **window) -> None:
+        lists = lists or self.state_lists(opt, group, params)
+        steps = lists["steps"]
+        # One call for every step count (CPU tensors): 0.4 us per parameter, where ``step += 1``
+        # costs 2.5 and a Python-number foreach 1.5 (torch's Adam adds a tensor for the same reason).
+        torch._foreach_add_(steps, torch.ones(()), alpha=1.0)
+        backend.adam_update(
+            params=lists["params"], buffers=buffers, exp_avgs=lists["exp_avgs"], exp_avg_sqs=lists["exp_avg_sqs"],
+            max_exp_avg_sqs=lists["max_exp_avg_sqs"], step=int(steps[0].item()), **self.hyperparameters(group),
+            **window, **opt._rounding_args(group, params),
+        )
 
 
 class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
@@ -224,8 +282,7 @@ class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
     """
 
     _wide_state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-    _kept_state_entries = {"steps": "step", "exp_avgs": "exp_avg", "exp_avg_sqs": "exp_avg_sq",
-                           "max_exp_avg_sqs": "max_exp_avg_sq"}
+    update_spec = AdamUpdate()
 
     def __init__(self, params, lr: float | Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0, amsgrad: bool = False, *, foreach: bool | None = None,
@@ -253,29 +310,6 @@ class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
             for group in self.param_groups:
                 group.setdefault("decoupled_weight_decay", self.defaults["decoupled_weight_decay"])
 
-    def _call_keys(self, params: list[Tensor]) -> list[int]:
-        # Bias corrections depend on the step, which differs for parameters that missed windows.
-        # One stack and one tolist for all of them: a .item() per parameter cost ~1 us each.
-        steps = [self.state.get(p, {}).get("step") for p in params]
-        known = [step for step in steps if step is not None]
-        try:
-            values = iter(torch.stack(known).tolist() if known else ())
-        except RuntimeError:  # (step tensors of several dtypes or devices: a loaded, unusual state)
-            values = iter([step.item() for step in known])
-        return [0 if step is None else int(next(values)) for step in steps]
-
-    def _uniform_call_key(self, lists: dict[str, list]) -> bool:
-        from . import backends
-        cpp = backends._load("cpp")
-        equal = None if cpp is None else cpp.equal_scalars(lists["steps"])  # (CPU step counts: no stack)
-        if equal is not None:
-            return equal
-        try:
-            steps = torch.stack(lists["steps"])  # (one comparison for all: no .item() per parameter)
-        except RuntimeError:  # (step tensors of several dtypes or devices: a loaded, unusual state)
-            return False
-        return bool((steps == steps[0]).all())
-
     def _init_param_state(self, p: Tensor, group) -> dict:
         state = self.state[p]
         if "step" not in state:
@@ -293,35 +327,6 @@ class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
                 if p.requires_grad:
                     self._init_param_state(p, group)
             self._init_rounding_state(group, [p for p in group["params"] if p.requires_grad])
-
-    def _state_lists(self, group, params) -> dict[str, list]:
-        """The per-parameter tensors of one ``_update`` call (window.UpdatePlan keeps them
-        while the optimizer state stays the same)."""
-        states = [self._init_param_state(p, group) for p in params]
-        return dict(states=states, steps=[s["step"] for s in states], params=[kernel_view(p) for p in params],
-                    exp_avgs=[kernel_view(s["exp_avg"]) for s in states],
-                    exp_avg_sqs=[kernel_view(s["exp_avg_sq"]) for s in states],
-                    max_exp_avg_sqs=[kernel_view(s["max_exp_avg_sq"]) for s in states] if group["amsgrad"] else [])
-
-    def _update(self, backend, group, params, buffers, lists=None, **window) -> None:
-        lists = lists or self._state_lists(group, params)
-        steps = lists["steps"]
-        # One call for every step count (CPU tensors): 0.4 us per parameter, where ``step += 1``
-        # costs 2.5 and a Python-number foreach 1.5 (torch's Adam adds a tensor for the same reason).
-        torch._foreach_add_(steps, torch.ones(()), alpha=1.0)
-        backend.adam_update(
-            params=lists["params"], buffers=buffers, exp_avgs=lists["exp_avgs"], exp_avg_sqs=lists["exp_avg_sqs"],
-            max_exp_avg_sqs=lists["max_exp_avg_sqs"], step=int(steps[0].item()), **self._hyperparameters(group),
-            **window, **self._rounding_args(group, params),
-        )
-
-    def _hyperparameters(self, group) -> dict[str, Any]:
-        """The group's arguments of every backend's ``adam_update`` but the step count (and of
-        in_backward's extension hooks, which fold a parameter's update with the same op)."""
-        beta1, beta2 = group["betas"]
-        return dict(lr=_lr(group), beta1=_as_float(beta1), beta2=_as_float(beta2), eps=_as_float(group["eps"]),
-                    weight_decay=_as_float(group["weight_decay"]), amsgrad=group["amsgrad"],
-                    maximize=group["maximize"], decoupled_weight_decay=group["decoupled_weight_decay"])
 
 
 # (Before torch 2.7 torch.optim.AdamW is not an Adam: with it among the bases, torch.optim.Adam's
@@ -341,6 +346,40 @@ class AdamW(Adam, torch.optim.AdamW if _ADAM_DECOUPLES else torch.optim.Optimize
                          in_backward=in_backward, bf16_update=bf16_update)
 
 
+class WrappedUpdate(UpdateSpec):
+    """GradientAccumulator's update: the window gradient written into each ``.grad`` in the
+    parameter's dtype, then the inner optimizer's ``step()``. Its state is the inner optimizer's,
+    which keeps the dtype it created (torch.optim's Adam makes bf16 moments for bf16 parameters
+    and needs them so); only its device follows the parameter."""
+
+    folds_last_micro_batch = False  # (the inner step receives a finished gradient)
+    has_lists = False
+
+    @staticmethod
+    def state_dtype(p: Tensor):
+        return None
+
+    def apply(self, opt, win, last_grads, last_weight, grad_scale, weight_sum, clip_coef) -> None:
+        calls = defaultdict(list)
+        for p in self.params(opt):
+            if p in win.live or p in last_grads:
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                calls[(p.device, p.dtype)].append(p)  # .grad is overwritten in place
+            else:
+                p.grad = None
+        for params in calls.values():
+            self.backend_for(opt, params[0]).write_window_grads(
+                buffers=[kernel_view(win.buffers[p]) for p in params], grads=[kernel_view(p.grad) for p in params],
+                weight_sum=weight_sum, clip_coef=clip_coef)
+        opt.optimizer.step()
+        if opt.accumulation_steps > 1:
+            # The window gradient was ours; a backward into it would add it to the next window.
+            for params in calls.values():
+                for p in params:
+                    p.grad = None
+
+
 class GradientAccumulator(AccumulatingOptimizer, torch.optim.Optimizer):
     """Gradient accumulation for any ``torch.optim.Optimizer`` instance (Adagrad, RMSprop, NAdam,
     your own): ``step(weight=)`` after every backward adds the micro-batch into fp32 buffers with
@@ -354,8 +393,7 @@ class GradientAccumulator(AccumulatingOptimizer, torch.optim.Optimizer):
     either object. ``state_dict()`` is the inner optimizer's plus the ``"accumulation"`` entry.
     """
 
-    # The inner step receives a finished gradient: the last micro-batch cannot be fused into it.
-    _folds_last_micro_batch = False
+    update_spec = WrappedUpdate()
 
     def __init__(self, optimizer: torch.optim.Optimizer, accumulation_steps: int = 1, *,
                  max_grad_norm: float | None = None, process_group=distributed.NOT_GIVEN, backend: str = "auto"):
@@ -392,12 +430,6 @@ class GradientAccumulator(AccumulatingOptimizer, torch.optim.Optimizer):
     def state(self):
         return self.optimizer.state
 
-    @staticmethod
-    def _state_dtype_of(p):
-        """The wrapped optimizer's state keeps the dtype it created (torch.optim's Adam makes bf16
-        moments for bf16 parameters and needs them so); only its device follows the parameter."""
-        return None
-
     @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
@@ -411,26 +443,6 @@ class GradientAccumulator(AccumulatingOptimizer, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none)
-
-    def _apply_window(self, last_grads, last_weight, grad_scale, weight_sum, clip_coef) -> None:
-        calls = defaultdict(list)
-        for p in self._all_params():
-            if p in self._window.live or p in last_grads:
-                if p.grad is None:
-                    p.grad = torch.empty_like(p)
-                calls[(p.device, p.dtype)].append(p)  # .grad is overwritten in place
-            else:
-                p.grad = None
-        for params in calls.values():
-            self._backend_for(params[0]).write_window_grads(
-                buffers=[kernel_view(self._window.buffers[p]) for p in params], grads=[kernel_view(p.grad) for p in params],
-                weight_sum=weight_sum, clip_coef=clip_coef)
-        self.optimizer.step()
-        if self.accumulation_steps > 1:
-            # The window gradient was ours; a backward into it would add it to the next window.
-            for params in calls.values():
-                for p in params:
-                    p.grad = None
 
     def __getstate__(self) -> dict[str, Any]:
         checkpoint.refuse_copy(self)

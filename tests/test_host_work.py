@@ -50,7 +50,7 @@ class _HostReads(TorchDispatchMode):
         line = (frames[-1].line or "") if frames else ""
         if "_C." in line:  # (inside an extension call: its CPU kernel's own scalar read)
             return
-        if frames and frames[-1].name == "_call_keys":  # (the step counts, stacked: CPU tensors)
+        if frames and frames[-1].name == "step_counts":  # (the step counts, stacked: CPU tensors)
             return
         self.reads.append(f"{what} at {frames[-1].name}:{frames[-1].lineno} [{line}]" if frames else what)
 

@@ -489,7 +489,10 @@ def test_a_close_that_raises_does_not_leave_the_last_windows_updated():
     micro_batch()
     opt.step()
     assert opt.updated
-    opt._update = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("update failed"))
+    class FailingUpdate(type(opt.update_spec)):
+        def update(self, *a, **kw):
+            raise RuntimeError("update failed")
+    opt.update_spec = FailingUpdate()
     with pytest.raises(RuntimeError, match="update failed"):
         opt.step()
     assert not opt.updated

@@ -1,8 +1,8 @@
 """The window's close: sync -> found-inf -> clip -> update, for plain, synchronised and sharded
 windows alike, and the listeners told that a window ended.
 
-Owns: ``close`` (a Window's, with its optimizer: the update is the optimizer's
-``_apply_window``, or the step table's plan), the agreement with the other ranks (``agree``:
+Owns: ``close`` (a Window's, with its optimizer: the update is its update spec's ``apply``
+(update.py), or the step table's plan), the agreement with the other ranks (``agree``:
 distributed.WindowSync, ShardSync), the clip coefficient (``clip_coefficient``, ``clip_for``),
 and the window's listeners: whoever must learn that a window ended (accum_fused.nn's BatchNorm
 statistics) registers on the optimizer's ``_window_listeners`` (``WindowListeners``): close and
@@ -42,7 +42,7 @@ def close(win, opt, last_pairs=(), last_weight: float = 1.0, grad_scale: Tensor 
     skip it if a micro-batch was non-finite or no parameter received a gradient, otherwise
     clip and update. ``last_pairs`` is the last micro-batch, not yet accumulated (folded into
     the update pass); ``norms`` the per-parameter window-gradient norms already computed.
-    ``update(weight_sum)``: the step table's close updates instead of ``opt._apply_window`` (the
+    ``update(weight_sum)``: the step table's close updates instead of the spec's ``apply`` (the
     last micro-batch and the norms are then its own). ``updated_in_hooks``: parameters mode B's
     last pass already updated inside their hooks (folds_last: no ranks, no clipping); the
     window's other live parameters (no gradient in that pass) are updated here. Sets and
@@ -60,7 +60,7 @@ def close(win, opt, last_pairs=(), last_weight: float = 1.0, grad_scale: Tensor 
         elif applied and (win.live or last_pairs):
             if opt.max_grad_norm is not None and clip_coef is None:
                 clip_coef = clip_coefficient(win, opt, weight_sum, norms or {})
-            opt._apply_window(dict(last_pairs), last_weight, grad_scale, weight_sum, clip_coef)
+            opt.update_spec.apply(opt, win, dict(last_pairs), last_weight, grad_scale, weight_sum, clip_coef)
         win.update_count += applied
         closed = True
     finally:
@@ -76,7 +76,7 @@ def agree(win, opt, flushing: bool) -> tuple[float, bool, Tensor | None]:
     """(the window's divisor, skip it, clip coefficient when already known)."""
     if win.sync is not None:
         weight_sum, skip, live = win.sync.reduce_window(
-            opt._all_params(), win.live, win.weight_sum, win.weight_shift, win.found_inf, flushing)
+            opt.update_spec.params(opt), win.live, win.weight_sum, win.weight_shift, win.found_inf, flushing)
         win.live.clear()
         win.live.update(live)
         return weight_sum, skip, None
@@ -90,9 +90,10 @@ def agree_sharded(win, opt, flushing: bool) -> tuple[float, bool, Tensor | None]
     None). The window's global norm is measured whether or not it clips, so that a
     non-finite value in any rank's shard skips the window on every rank instead of updating
     some shards and not others."""
-    params = opt._all_params()
+    spec = opt.update_spec
+    params = spec.params(opt)
     divisor, total_norm = win.shards.agree(
-        [p for p in params if p in win.live], win.buffers, opt._backend_for, params[0].device, win.weight_sum,
+        [p for p in params if p in win.live], win.buffers, lambda p: spec.backend_for(opt, p), params[0].device, win.weight_sum,
         flushing, win.late_weights, win.grads_held, opt.accumulation_steps)
     if divisor <= 0:
         return divisor, False, None
@@ -107,9 +108,10 @@ def agree_sharded(win, opt, flushing: bool) -> tuple[float, bool, Tensor | None]
 def clip_coefficient(win, opt, weight_sum: float, norms: dict | list) -> Tensor:
     """min(max_grad_norm / (||g|| + 1e-6), 1) on the device, as clip_grad_norm_ computes
     it. ``norms`` has the per-parameter norms the last accumulate pass produced, by parameter
-    or aligned with ``opt._all_params()`` (None: not measured); the window's other
+    or aligned with the spec's ``params(opt)`` (None: not measured); the window's other
     parameters (no gradient in that micro-batch) are measured here."""
-    params = opt._all_params()
+    spec = opt.update_spec
+    params = spec.params(opt)
     if isinstance(norms, dict):
         norms = list(map(norms.get, params))
     else:
@@ -122,7 +124,7 @@ def clip_coefficient(win, opt, weight_sum: float, norms: dict | list) -> Tensor:
     for i in [i for i in live if norms[i] is None]:
         missing[(params[i].device, params[i].dtype)].append(i)
     for indices in missing.values():
-        measured = opt._backend_for(params[indices[0]]).window_norms(
+        measured = spec.backend_for(opt, params[indices[0]]).window_norms(
             buffers=[kernel_view(win.buffers[params[i]]) for i in indices], weight_sum=weight_sum)
         for i, norm in zip(indices, measured.unbind()):
             norms[i] = norm

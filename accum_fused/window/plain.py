@@ -11,8 +11,8 @@ from torch import Tensor
 
 from .. import backends
 from ..backends._kernel_args import device_scalar
-from ..layout import conform_state, kernel_view
-from .table import StepTable
+from ..layout import kernel_view
+from .table import StepTable, conform_optimizer_state
 
 
 def add_micro_batch(win, opt, pairs, weight: float, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
@@ -27,8 +27,7 @@ def add_micro_batch(win, opt, pairs, weight: float, grad_scale: Tensor | None, f
     if table is not None and table.current(win) and table.cpp.conforms():
         if closing and not table.state_conformed:
             params = [p for p, _ in pairs]
-            conform_state(opt.state, params + list(win.live.difference(params)), opt._param_name,
-                          opt._state_dtype_of)
+            conform_optimizer_state(opt, params + list(win.live.difference(params)))
             table.state_conformed = True
     elif closing and not pairs:  # (in_backward mode A's step(): the window is in the buffers)
         win.conform_live(opt)
@@ -45,15 +44,15 @@ def add_micro_batch(win, opt, pairs, weight: float, grad_scale: Tensor | None, f
         if not pairs:
             win.hold_grads()
     if not closing:
-        accumulate(win, pairs, grad_weight, grad_scale, opt._backend_for)
+        accumulate(win, pairs, grad_weight, grad_scale, opt)
         win.updated = False
-    elif opt._folds_last_micro_batch and win.folds_last(opt):
+    elif win.folds_last(opt):
         win.close(opt, pairs, grad_weight, grad_scale)  # the last micro-batch folded into the update pass
     else:
         # Clipping needs the whole window's norm first: the last accumulate pass returns it
         # (across ranks the norms are measured on the reduced sums instead).
         local_norms = opt.max_grad_norm is not None and not win.spans_ranks
-        norms = accumulate(win, pairs, grad_weight, grad_scale, opt._backend_for,
+        norms = accumulate(win, pairs, grad_weight, grad_scale, opt,
                                 norm_weight_sum=win.weight_sum if local_norms else None)
         win.close(opt, (), grad_weight, None, norms)
 
@@ -131,7 +130,7 @@ def table_for(win, opt) -> StepTable | None:
     return win.step_table
 
 
-def accumulate(win, pairs, weight: float, grad_scale: Tensor | None, backend_for,
+def accumulate(win, pairs, weight: float, grad_scale: Tensor | None, opt,
                norm_weight_sum: float | None = None) -> dict[Tensor, Tensor]:
     """Add one micro-batch into the buffers. With ``norm_weight_sum``, also return
     {param: ||acc / norm_weight_sum||} for the parameters accumulated here."""
@@ -141,7 +140,7 @@ def accumulate(win, pairs, weight: float, grad_scale: Tensor | None, backend_for
         calls[(p.device, p.dtype, grad.dtype, overwrite)].append((p, grad))
     norms = {}
     for (_, _, _, overwrite), items in calls.items():
-        call_norms = backend_for(items[0][0]).accumulate(
+        call_norms = opt.update_spec.backend_for(opt, items[0][0]).accumulate(
             grads=[kernel_view(g) for _, g in items],
             buffers=[kernel_view(win.buffer(p)) for p, _ in items],
             weight=weight,

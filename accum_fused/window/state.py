@@ -13,9 +13,9 @@ step table and the update's kept lists table.py's.
 
 Must not: read ``.grad`` or touch hooks (the optimizer and in_backward.py hand gradients in),
 or do per-element math (backends do). It asks its optimizer, passed to the verbs that need it,
-for ``_all_params()``, ``_backend_for(p)``, ``_apply_window(...)`` (the update: SGD/Adam's
-backend calls or GradientAccumulator's inner step), ``state``, ``accumulation_steps``,
-``max_grad_norm``, ``in_backward``.
+for its update spec (``opt.update_spec``, update.py: the parameters, their backends and names,
+the update itself), ``state``, ``accumulation_steps``, ``max_grad_norm``, ``in_backward``;
+never for a private method.
 It holds no reference to the optimizer, so a framework wrapper that copies the optimizer's
 ``__dict__`` (Lightning's LightningOptimizer) reaches the same window instead of splitting it.
 """
@@ -26,9 +26,9 @@ import math
 import torch
 from torch import Tensor
 
-from ..layout import conform_state, fits, kernel_view, state_dtype
+from ..layout import fits, kernel_view, state_dtype
 from .close import close, tell_listeners
-from .table import StepTable, UpdatePlan
+from .table import StepTable, UpdatePlan, conform_optimizer_state
 
 # Weights are kept in units of 2**shift, shift a multiple of _WEIGHT_BAND, so that any finite
 # positive weight fits the fp32 buffers (uniform 1e-46 weights underflowed fp32 to a zero update,
@@ -153,7 +153,7 @@ class Window:
         micro-batch's gradients may go straight into the update pass (plain mode's last
         accumulate folded into the update kernel, mode B's per-parameter update in its hook):
         clipping needs the window's norm first, and ranks their reduced sums."""
-        return opt.max_grad_norm is None and not self.spans_ranks
+        return opt.update_spec.folds_last_micro_batch and opt.max_grad_norm is None and not self.spans_ranks
 
     @property
     def spans_ranks(self) -> bool:
@@ -231,7 +231,7 @@ class Window:
         if closing and self.sync is not None and not self.transaction:
             # (a run() pass reduces at its end instead: a pass that fails must not leave a
             # collective half-done on this rank while the others wait in it)
-            shift = self.sync.begin_overlapped_window(opt._all_params(), self.live, self.weight_sum + weight,
+            shift = self.sync.begin_overlapped_window(opt.update_spec.params(opt), self.live, self.weight_sum + weight,
                                                       self.weight_shift)
             weight, self.weight_sum = (math.ldexp(x, self.weight_shift - shift) for x in (weight, self.weight_sum))
             self.weight_shift = shift
@@ -334,7 +334,7 @@ class Window:
             if buf is not None and not fits(buf, p):
                 if self.sync is not None:
                     raise RuntimeError(
-                        f"{opt._param_name(p)} changed dtype, device or shape after this {type(opt).__name__} "
+                        f"{opt.update_spec.name(opt, p)} changed dtype, device or shape after this {type(opt).__name__} "
                         "was built with a process_group, whose buffers are fixed: convert the model before "
                         "building the optimizer"
                     )
@@ -343,14 +343,14 @@ class Window:
                     del self.buffers[p]  # stale: the next gradient allocates a fresh one
                 elif buf.shape != p.shape:
                     raise ValueError(
-                        f"{opt._param_name(p)} changed shape from {tuple(buf.shape)} in the middle of a window: its "
+                        f"{opt.update_spec.name(opt, p)} changed shape from {tuple(buf.shape)} in the middle of a window: its "
                         "accumulated gradient no longer fits it. Resize parameters between windows (after an "
                         "update or flush()), then build a new optimizer for them"
                     )
                 else:
                     self.buffers[p] = buf.to(device=p.device, dtype=state_dtype(p))
         if closing:
-            conform_state(opt.state, params, opt._param_name, opt._state_dtype_of)  # the update reads it next
+            conform_optimizer_state(opt, params)  # the update reads it next
 
     # ------------------------------------------------------------------------- closing
     def close(self, opt, *args, **kwargs) -> bool:

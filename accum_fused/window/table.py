@@ -4,7 +4,7 @@ the host does no Python work per parameter when nothing changed.
 Owns: ``StepTable`` (csrc/step_table.cpp through backends.cpp_backend: every parameter of the
 optimizer in order, its buffer, whether it is live; a plain-mode micro-batch in one extension
 call, ``take_with_table``, and the window's closing one, ``StepTable.close``) and
-``UpdatePlan`` (per param group, the lists of one ``opt._update`` call, kept between closes
+``UpdatePlan`` (per param group, the lists of one update spec's ``update`` call, kept between closes
 while they stand: the step table's close and the in-backward modes' alike). Both are true to
 the Window they were built for and rebuilt on what makes them stale; plain.py's
 add_micro_batch (plain mode's Python path) is the spec they are tested against.
@@ -24,6 +24,13 @@ from .close import clip_for
 
 if TYPE_CHECKING:
     from .state import Window
+
+
+def conform_optimizer_state(opt, params: list[Tensor]) -> None:
+    """layout.conform_state of ``params``' optimizer state, named and typed by the optimizer's
+    update spec (the state follows its parameter, or the error names it)."""
+    spec = opt.update_spec
+    conform_state(opt.state, params, lambda p: spec.name(opt, p), spec.state_dtype)
 
 
 class StepTable:
@@ -48,13 +55,14 @@ class StepTable:
         parameter first (Window.conform). A stale buffer that no longer fits its parameter is
         dropped here, as Window.conform drops it: the table then vouches for every buffer."""
         cpp = backends.extension_paths(opt.backend, table=True)
-        params = opt._all_params()
+        spec = opt.update_spec
+        params = spec.params(opt)
         if cpp is None or not params or any(group.get("fused") for group in opt.param_groups):
             return None
         device = params[0].device
         buffers = []
         for p in params:
-            if p.device != device or kernel_view(p) is not p or opt._backend_for(p) is not cpp:
+            if p.device != device or kernel_view(p) is not p or spec.backend_for(opt, p) is not cpp:
                 return None
             buf = win.buffers.get(p)
             if buf is not None and not fits(buf, p):
@@ -79,14 +87,14 @@ class StepTable:
         add_micro_batch must close it. Validates first, as add_micro_batch does: every buffer
         fits (the table's check), the state is conformed."""
         n = len(self.params)
-        if present != n or self.cpp.live_count not in (0, n) or not hasattr(opt, "_state_lists"):
+        if present != n or self.cpp.live_count not in (0, n) or not opt.update_spec.has_lists:
             return None
         if self.cpp.missing_buffers():  # (a closing micro-batch without live buffers: Window.buffer allocates)
             return None
         if not self.cpp.conforms():
             return None
         if not self.state_conformed:
-            conform_state(opt.state, self.params, opt._param_name, opt._state_dtype_of)
+            conform_optimizer_state(opt, self.params)
             self.state_conformed = True
         plan = UpdatePlan.for_window(opt, win, build=True, every_live=False)
         return plan if plan is not None and plan.count == n and plan.uniform(opt) else None
@@ -95,7 +103,7 @@ class StepTable:
         """Take the closing micro-batch (counted by the caller) and close ``win`` with ``plan``."""
         clear = opt.accumulation_steps > 1
         last = norms = None
-        if opt._folds_last_micro_batch and win.folds_last(opt):  # (no ranks: take_with_table)
+        if win.folds_last(opt):  # (no ranks: take_with_table)
             last = dict(grads=self.cpp.present_grads(), weight=weight, overwrite=self.cpp.live_count == 0,
                         grad_scale=grad_scale)
             self.cpp.release(clear)  # (the list keeps the gradients for the update pass)
@@ -113,15 +121,15 @@ class StepTable:
 
 
 class UpdatePlan:
-    """Per param group, the arguments of one ``opt._update`` call besides the buffers and the
-    window's scalars (``opt._state_lists``), so that a window in which every parameter is live
+    """Per param group, the arguments of one ``update`` call of the optimizer's update spec
+    besides the buffers and the window's scalars (the spec's ``state_lists``), so that a window in which every parameter is live
     updates each group in one call, with no Python loop over its parameters: the step table's
     closing micro-batch (plain mode) and the in-backward modes' close alike. One extension call
     checks that the buffers and state fit their parameters (``conforms``, instead of
     Window.conform's loop). Kept on the window between closes while it stands: the param groups
     hold the same parameters in the same order, the groups' list-shaping flags stand
     (``state_key``) and every kept state tensor is still the one its entry holds
-    (``opt._state_lists_stand``: a state loaded, or replaced by hand, is read anew, as
+    (the spec's ``lists_stand``: a state loaded, or replaced by hand, is read anew, as
     torch.optim reads it). Built only where each group is of one dtype and one device and its
     parameters are plain tensors; kept only where no state is missing (SGD's momentum buffers
     exist after its first update)."""
@@ -134,7 +142,8 @@ class UpdatePlan:
     def for_window(opt, win: Window, build: bool, every_live: bool = True) -> UpdatePlan | None:
         """The plan, when it stands (and ``every_live``: every parameter is live in ``win``);
         else built anew where ``build`` (the update creates the state it holds) and it can be."""
-        if not hasattr(opt, "_state_lists") or win.shards is not None:
+        spec = opt.update_spec
+        if not spec.has_lists or win.shards is not None:
             return None
         plan = win.update_plan
         if plan is not None and (not every_live or len(win.live) == plan.count) and plan.stand(opt):
@@ -150,9 +159,9 @@ class UpdatePlan:
             first = params[0]
             if any(p.dtype != first.dtype or p.device != first.device or kernel_view(p) is not p for p in params):
                 return None
-            lists = opt._state_lists(group, params)
+            lists = spec.state_lists(opt, group, params)
             complete &= not any(t is None for values in lists.values() for t in values)
-            calls.append((group, params, lists, opt._backend_for(first), slice(start, start + len(params))))
+            calls.append((group, params, lists, spec.backend_for(opt, first), slice(start, start + len(params))))
             start += len(params)
         plan = UpdatePlan(calls, UpdatePlan.state_key(opt), complete)
         if complete:  # (state that the update creates: read again at the next close)
@@ -162,20 +171,21 @@ class UpdatePlan:
     @staticmethod
     def state_key(opt) -> tuple:
         """What the kept lists' shape depends on beyond the parameters: the group flags that add
-        lists (amsgrad, momentum). Their tensors are checked by identity (``_state_lists_stand``)."""
+        lists (amsgrad, momentum). Their tensors are checked by identity (the spec's ``lists_stand``)."""
         return tuple((group.get("amsgrad"), group.get("momentum", 0) != 0) for group in opt.param_groups)
 
     def stand(self, opt) -> bool:
         groups = [group for group in opt.param_groups if group["params"]]
+        spec = opt.update_spec
         return (self.key == UpdatePlan.state_key(opt) and len(groups) == len(self.calls)
                 and all(group is kept_group and len(group["params"]) == len(params)
                         and all(map(operator.is_, group["params"], params))
-                        and opt._state_lists_stand(params, lists)
+                        and spec.lists_stand(opt, params, lists)
                         for group, (kept_group, params, lists, _, _) in zip(groups, self.calls)))
 
     def uniform(self, opt) -> bool:
         """Whether each group's parameters share one call key (Adam's step count): one call each."""
-        return all(opt._uniform_call_key(lists) for _, _, lists, _, _ in self.calls)
+        return all(opt.update_spec.uniform_call_key(opt, lists) for _, _, lists, _, _ in self.calls)
 
     def conforms(self, opt, win: Window) -> bool:
         """Whether Window.conform and conform_state would change nothing for the window's live
@@ -185,7 +195,7 @@ class UpdatePlan:
             return False
         for _, params, lists, _, _ in self.calls:
             tensors = [list(map(win.buffers.__getitem__, params))]
-            tensors += [lists[name] for name, key in opt._kept_state_entries.items()
+            tensors += [lists[name] for name, key in opt.update_spec.kept_state_entries.items()
                         if key in ELEMENTWISE_STATE and lists[name]]
             if not cpp.state_fits(params, tensors):
                 return False
@@ -193,12 +203,13 @@ class UpdatePlan:
 
     def update(self, opt, buffers: list[Tensor], weight_sum: float, clip_coef: Tensor | None,
                last: dict | None = None) -> None:
-        """Window.close's update (``uniform`` holds): one ``opt._update`` per group. ``buffers``
+        """Window.close's update (``uniform`` holds): one update spec ``update`` per group. ``buffers``
         and ``last["grads"]`` (a last micro-batch folded into the update pass) are aligned with
         the plan's parameters, group after group."""
+        spec = opt.update_spec
         for group, params, lists, backend, span in self.calls:
             fold = {} if last is None else {**last, "grads": last["grads"][span]}
-            opt._update(backend, group, params, buffers[span], lists=lists, weight_sum=weight_sum,
+            spec.update(opt, backend, group, params, buffers[span], lists=lists, weight_sum=weight_sum,
                         clip_coef=clip_coef, **fold)
 
     def buffers_of(self, win: Window) -> list[Tensor]:
