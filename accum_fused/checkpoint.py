@@ -144,7 +144,7 @@ def _process() -> tuple[int, int] | None:
 
 def accumulation_entry(opt) -> dict[str, Any]:
     win = opt._window
-    index = {p: i for i, p in enumerate(opt._all_params())}
+    index = {p: i for i, p in enumerate(opt.update_spec.params(opt))}
     # An open window in a job of several processes holds this rank's micro-batches only: the
     # entry says whose ("save on rank 0, load everywhere" would resume every rank with rank 0's).
     # A boundary state_dict (nothing open) is the same on every rank and stays rank-free.
@@ -187,7 +187,7 @@ def _window_inside_state(opt, state_dict: dict[str, Any]) -> dict[str, Any]:
     entry.pop("rank", None)
     entry.pop("world_size", None)
     state = dict(state_dict["state"])
-    for index, p in enumerate(opt._all_params()):
+    for index, p in enumerate(opt.update_spec.params(opt)):
         if p.requires_grad:
             state[index] = {**state.get(index, {}), "accumulation_buffer": win.buffer(p),
                             "accumulation_live": torch.tensor(float(index in entry["buffers"]))}
@@ -244,7 +244,7 @@ def split_accumulation_entry(opt, state_dict: dict[str, Any]):
     if accumulation is None:
         state_dict, accumulation = _window_out_of_state(state_dict)
     saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
-    params = opt._all_params()
+    params = opt.update_spec.params(opt)
     by_id = dict(zip(saved_ids, params)) if len(saved_ids) == len(params) else {}
     if accumulation is not None:
         _check_accumulation_entry(opt, accumulation, by_id)
@@ -300,7 +300,7 @@ def load_state_dict(opt, state_dict: dict[str, Any], torch_load) -> None:
     def keep_state_wide(optimizer):  # registered first: runs before the user's post hooks
         final = loaded["state_dict"]
         saved_ids = chain.from_iterable(g["params"] for g in final["param_groups"])
-        for param_id, p in zip(saved_ids, opt._all_params()):
+        for param_id, p in zip(saved_ids, opt.update_spec.params(opt)):
             entry, p_state = final["state"].get(param_id), opt.state.get(p)
             if not isinstance(entry, dict) or not isinstance(p_state, dict):
                 continue
@@ -339,7 +339,7 @@ def restore_window(opt, accumulation: dict[str, Any] | None, by_id: dict) -> Non
         opt.recovery.load_state(accumulation["recovery"], win.update_count)
     win.grads_held = accumulation.get("grads_held", False)
     # Saved on the device the checkpoint was taken on: bring them to this optimizer's.
-    params = opt._all_params()
+    params = opt.update_spec.params(opt)
     device = params[0].device if params else torch.device("cpu")
     norm, found = accumulation["last_grad_norm"], accumulation["found_inf"]
     win.last_grad_norm = None if norm is None else norm.to(device)

@@ -57,7 +57,7 @@ def _late_process_group(opt) -> None:
     opt._ddp_unwatched = False
     if opt.process_group is not None:
         return
-    if distributed.ddp_modules_holding(opt._all_params()):
+    if distributed.ddp_modules_holding(opt.update_spec.params(opt)):
         raise RuntimeError(
             f"{type(opt).__name__} was built before torch.distributed.init_process_group() in a process no launcher "
             "started, so it could not take over the DistributedDataParallel module that wraps its parameters: this "
@@ -69,7 +69,7 @@ def _late_process_group(opt) -> None:
 
 def _found(opt, module) -> bool:
     """A DDP module's forward (the watch): take it over if it wraps our parameters."""
-    if not distributed.wraps_any(module, {id(p) for p in opt._all_params()}):
+    if not distributed.wraps_any(module, {id(p) for p in opt.update_spec.params(opt)}):
         return False
     _take(opt, module)
     opt._ddp_watch = None
@@ -82,11 +82,12 @@ def _take(opt, module) -> None:
     name = type(opt).__name__
     if opt.process_group is None:
         sync = distributed.WindowSync(module.process_group, name)
-        sync.add_params(opt._all_params(), state_dtype, broadcast=False)
+        sync.add_params(opt.update_spec.params(opt), state_dtype, broadcast=False)
         opt._window.join_ranks(sync)
         opt.process_group = module.process_group
     else:
         distributed.check_same_ranks(opt.process_group, module, name)
     this = weakref.ref(opt)
-    release = distributed.own_ddp_sync(module, lambda: None if this() is None else this()._all_params())
+    params = opt.update_spec.params
+    release = distributed.own_ddp_sync(module, lambda: None if this() is None else params(this()))
     opt._releases.append(weakref.finalize(opt, release))

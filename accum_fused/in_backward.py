@@ -556,7 +556,7 @@ def install(opt) -> None:
     opt._fast_path = FastPath.for_optimizer(opt)
     if opt._fast_path is not None:
         opt._window.hook_state = opt._fast_path.state  # (let go of its lists when a window ends)
-    register_hooks(opt, opt._all_params())
+    register_hooks(opt, opt.update_spec.params(opt))
     # Hooks hold the optimizer weakly; when it is collected they go with it (close() earlier).
     opt._releases.append(weakref.finalize(opt, remove_hooks, opt._hook_handles))
 
@@ -603,7 +603,7 @@ def rehook_dropped(opt, take: bool) -> None:
     if not getattr(opt, "_warned_dropped_hook", False):
         opt._warned_dropped_hook = True
         warnings.warn(
-            f"the post-accumulate-grad hooks of {opt._param_name(dropped[0])} were replaced (something set its "
+            f"the post-accumulate-grad hooks of {opt.update_spec.name(opt, dropped[0])} were replaced (something set its "
             f"_post_accumulate_grad_hooks) after {type(opt).__name__}(in_backward=True) hooked it, which removed "
             f"the hook that takes its gradients ({len(dropped)} parameter(s) so far): hooked again, its gradient "
             "taken from .grad. To remove hooks of your own, use the handle that register_post_accumulate_grad_hook "
@@ -624,7 +624,7 @@ def claim(opt, params) -> None:
         owner = _owner(p)
         if owner is not None and owner is not opt:
             raise RuntimeError(
-                f"{opt._param_name(p)} already has its gradients taken inside backward by a live "
+                f"{opt.update_spec.name(opt, p)} already has its gradients taken inside backward by a live "
                 f"{type(owner).__name__}(in_backward=True) (a notebook cell re-run keeps the old optimizer alive "
                 "through its LR scheduler or a variable): call old_optimizer.close() first, then build this one"
             )
@@ -642,7 +642,7 @@ def _owner(p: Tensor):
 
 
 def release_claims(opt) -> None:
-    for p in opt._all_params():
+    for p in opt.update_spec.params(opt):
         if _owner(p) is opt:
             del _owner_of[p]
 
@@ -871,7 +871,7 @@ def _join_pass(opt, p: Tensor) -> tuple[BackwardPass, bool] | None:
     if again and (updated or (mb.closing and win.sync is not None and not win.transaction)):
         # (a parameter used both inside and outside a reentrant checkpoint gets two)
         raise RuntimeError(
-            f"{opt._param_name(p)} received a second gradient in the backward pass of the window's last "
+            f"{opt.update_spec.name(opt, p)} received a second gradient in the backward pass of the window's last "
             "micro-batch after its update (or its cross-rank reduction) had begun inside backward: use "
             "checkpoint(use_reentrant=False), or set max_grad_norm without ranks"
         )

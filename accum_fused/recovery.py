@@ -308,10 +308,10 @@ def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: 
         # with the except block; free the rest, then run in more, smaller parts.
         state.retries += 1
         state._failed_in_window = True
-        for p in opt._all_params():
+        for p in opt.update_spec.params(opt):
             p.grad = None
         gc.collect()
-        if any(p.is_cuda for p in opt._all_params()):
+        if any(p.is_cuda for p in opt.update_spec.params(opt)):
             torch.cuda.empty_cache()
         parts_in = progress[0] if opt.in_backward else 0
         try:
@@ -390,7 +390,7 @@ def _scaled_step(opt, scaler) -> Callable:
 def _run_plain(opt, parts: list[_Part], loss_fn, weight, total, step: Callable, scale: Callable) -> Tensor:
     """Every part through autograd into .grad (times its weight, rescaled by the total once at
     the end when split); then one step() takes the micro-batch."""
-    for p in opt._all_params():
+    for p in opt.update_spec.params(opt):
         p.grad = None
     tell_transaction(opt, "transaction_begins")
     if len(parts) == 1:
@@ -408,7 +408,7 @@ def _run_plain(opt, parts: list[_Part], loss_fn, weight, total, step: Callable, 
         weights.append(w)
     micro_weight = sum(weights)
     with torch.no_grad():
-        grads = [p.grad for p in opt._all_params() if p.grad is not None]
+        grads = [p.grad for p in opt.update_spec.params(opt) if p.grad is not None]
         if grads:
             torch._foreach_div_(grads, micro_weight)
     step(weight=micro_weight)
@@ -467,7 +467,7 @@ def _give_up(opt, parts_in: int) -> None:
     added = parts_in > 0 or bool(win.complete)
     _end(opt)
     if not opt.in_backward:
-        for p in opt._all_params():
+        for p in opt.update_spec.params(opt):
             p.grad = None
         return
     if added and opt.accumulation_steps > 1:

@@ -727,7 +727,7 @@ def test_out_of_memory_in_the_update_is_not_retried_as_the_micro_batchs(backend,
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("injected in the update")
 
-    monkeypatch.setattr(opt, "_update", no_memory)
+    monkeypatch.setattr(opt.update_spec, "update", no_memory)
     with pytest.raises(torch.OutOfMemoryError, match="in the update"):
         opt.run(data[K - 1], _loss_fn(model))
     assert opt.recovery.retries == 0 and opt.micro_step == 0 and opt.update_count == 0

@@ -182,7 +182,7 @@ def fuse_linear_gradients(model: nn.Module, opt) -> FusedLinearHandle:
     opt._check_open("fuse_linear_gradients")
     if opt._window.spans_ranks:
         raise ValueError("fuse_linear_gradients does not support several processes (process_group, DDP, FSDP2) yet")
-    owned = set(opt._all_params())
+    owned = set(opt.update_spec.params(opt))
     users: dict[int, list[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         for p in module.parameters(recurse=False):
