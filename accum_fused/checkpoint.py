@@ -325,7 +325,7 @@ def restore_window(opt, accumulation: dict[str, Any] | None, by_id: dict) -> Non
     """Reopen the saved window (or start an empty one when the checkpoint has none)."""
     win = opt._window
     win.discard()
-    win.update_plan = None  # (its kept lists hold the state the load replaced)
+    win.caches.update_plan = None  # (its kept lists hold the state the load replaced)
     _keep_unclaimed(opt, {} if accumulation is None else accumulation.get("listener_entries", {}))
     if accumulation is None:
         return

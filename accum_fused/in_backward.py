@@ -17,8 +17,8 @@ go in and it ends (closing the window on its last) through the window's verbs
 (``begin_micro_batch``, ``accumulate_one``, ``write_one``, ``adopt``, ``mark_written``,
 ``finish_micro_batch``); it only reads
 whether a parameter is live, and keeps its own records on the window (``pending_weight``, the
-weight opt.backward gives its pass; ``backward_pass``). The update math of a folded parameter
-is the optimizer's ``_update``.
+weight opt.backward gives its pass; ``passes``, window.PassRecords). The update math of a
+folded parameter is the optimizer's update spec's ``update``.
 
 Each hook holds its optimizer weakly: when the optimizer is collected, its hooks go with it.
 """
@@ -105,13 +105,13 @@ class _EndPass:
 
     def __call__(self) -> None:
         opt = self.opt_ref()
-        if opt is None or opt._window.backward_pass is None:
+        if opt is None or opt._window.passes.current is None:
             return
         outer = torch._C._current_autograd_node()
         if outer is None:
             end_pass(opt)
             return
-        mb = opt._window.backward_pass
+        mb = opt._window.passes.current
 
         def outer_done(grad_inputs, grad_outputs):
             handle.remove()
@@ -191,7 +191,7 @@ class FastPath:
         # The window the last window-start lists were built for (no buffer live), short of what
         # only the extension changes (adoptions, live flags): a new window arms them again
         # (``rearm_start``; the extension drops the buffers adopted since) while the buffers
-        # kept between windows (``Window.buffers_version``) are as they were.
+        # kept between windows (``Window.caches.buffers_version``) are as they were.
         self._start_key: tuple | None = None
         self.built = 0  # lists built by the Python loop over the parameters (tests count them)
         self._slots_of: tuple | None = None  # (parameters, their slots): slots_of
@@ -234,14 +234,14 @@ class FastPath:
 
     def arm(self, opt, mb: BackwardPass, first: Tensor) -> None:
         win = opt._window
-        if mb.closing and win.sync is not None and not win.transaction:
+        if mb.closing and win.sync is not None and not win.transaction.active:
             return  # buckets handed to the other ranks as gradients arrive: Python's
         from .backends import cpp_backend
         fold = _FoldArgs() if mb.fold else None
         may_adopt = win.may_adopt
-        complete = win.complete  # (their gradients go to take_grad, which drops them)
+        complete = win.transaction.complete  # (their gradients go to take_grad, which drops them)
         # What the lists below depend on, short of a loop over the parameters: the slots, the
-        # parameter taken first (not armed), which buffers exist and are live (``win.version``
+        # parameter taken first (not armed), which buffers exist and are live (``win.caches.version``
         # moves with every buffer allocated, adopted or replaced and with every new window; the
         # live set only grows within a window, so its size tells), adoption. Complete parameters
         # and folds are not cached.
@@ -348,10 +348,10 @@ class FastPath:
         return True
 
     def _key(self, win, first: Tensor, may_adopt: bool) -> tuple:
-        return (len(self.params), id(first), win.version, len(win.live), may_adopt, id(win.buffers))
+        return (len(self.params), id(first), win.caches.version, len(win.live), may_adopt, id(win.buffers))
 
     def _start_key_of(self, win, first: Tensor, may_adopt: bool) -> tuple:
-        return (len(self.params), id(first), win.buffers_version, may_adopt, id(win.buffers))
+        return (len(self.params), id(first), win.caches.buffers_version, may_adopt, id(win.buffers))
 
     def take_records(self, opt, mb: BackwardPass, end: bool = False) -> None:
         """Record in the window and in ``mb`` what the extension did since the last call;
@@ -555,7 +555,7 @@ def install(opt) -> None:
     opt._unhooked = []
     opt._fast_path = FastPath.for_optimizer(opt)
     if opt._fast_path is not None:
-        opt._window.hook_state = opt._fast_path.state  # (let go of its lists when a window ends)
+        opt._window.caches.hook_state = opt._fast_path.state  # (let go of its lists when a window ends)
     register_hooks(opt, opt.update_spec.params(opt))
     # Hooks hold the optimizer weakly; when it is collected they go with it (close() earlier).
     opt._releases.append(weakref.finalize(opt, remove_hooks, opt._hook_handles))
@@ -707,12 +707,12 @@ def check_not_in_backward(opt, what: str) -> None:
     """Refuse ``what`` inside a backward pass; a pass left open by a backward that failed is
     settled first (``settle_failed_pass``), so a failure never leaves the optimizer stuck."""
     settle_if_failed(opt)
-    if opt._window.backward_pass is not None:
+    if opt._window.passes.current is not None:
         raise RuntimeError(f"{what} was called inside a backward pass; call it after backward returns")
 
 
 def settle_if_failed(opt) -> None:
-    mb = opt._window.backward_pass
+    mb = opt._window.passes.current
     if mb is not None and mb.failed():
         settle_failed_pass(opt)
 
@@ -730,8 +730,8 @@ def backward(opt, loss: Tensor, weight: float, backward_kwargs: dict) -> None:
     check_not_in_backward(opt, "opt.backward()")
     check_resized(opt)
     win.pending_weight = weight
-    win.own_backward = True
-    win.backward_owned |= opt.accumulation_steps > 1
+    win.passes.own = True
+    win.passes.owned |= opt.accumulation_steps > 1
     try:
         torch.autograd.backward(loss, **backward_kwargs)
         if win.pending_weight is not None:
@@ -741,13 +741,13 @@ def backward(opt, loss: Tensor, weight: float, backward_kwargs: dict) -> None:
             begin_pass(opt)
             end_pass(opt)
     except BaseException:
-        if win.backward_pass is not None:
+        if win.passes.current is not None:
             settle_failed_pass(opt)
         raise
     finally:
         win.pending_weight = None
-        win.own_backward = False
-        win.backward_pass = None
+        win.passes.own = False
+        win.passes.current = None
 
 
 def check_resized(opt) -> None:
@@ -783,15 +783,15 @@ def settle_failed_pass(opt) -> None:
     micro-batch whose update had begun inside backward. Both discard the window, with a
     RuntimeWarning saying what was lost; the next micro-batch starts a new window."""
     win = opt._window
-    mb, win.backward_pass = win.backward_pass, None
+    mb, win.passes.current = win.passes.current, None
     if opt._fast_path is not None:
         opt._fast_path.take_records(opt, mb, end=True)
         opt._fast_path._armed = None  # (what the pass left is settled below: the lists are built anew)
-    if win.transaction:
+    if win.transaction.active:
         # run() (recovery.py): what the pass added, it added whole; its retry skips those.
-        win.complete |= mb.completed
+        win.transaction.complete |= mb.completed
         if mb.taken_slots:
-            win.complete.update(map(opt._fast_path.params.__getitem__, mb.taken_slots))
+            win.transaction.complete.update(map(opt._fast_path.params.__getitem__, mb.taken_slots))
         return
     if opt.accumulation_steps == 1 or not mb.any_seen():
         return
@@ -821,7 +821,7 @@ def take_grad(opt, p: Tensor) -> None:
     grad = p.grad
     if grad is None:
         return
-    complete = opt._window.complete
+    complete = opt._window.transaction.complete
     if complete and p in complete:  # a failed run() pass already added this micro-batch's gradient
         p.grad = None
         return
@@ -840,7 +840,7 @@ def take_written(opt, p: Tensor, writer) -> bool:
     into ``p``'s window buffer (the GEMM's output), taking the same path through the pass as a
     gradient would. False: this backward is not a micro-batch of ``opt`` (the caller hands
     autograd the gradient instead)."""
-    complete = opt._window.complete
+    complete = opt._window.transaction.complete
     if complete and p in complete:  # a failed run() pass already wrote this micro-batch's gradient
         return True
     joined = _join_pass(opt, p)
@@ -853,12 +853,12 @@ def _join_pass(opt, p: Tensor) -> tuple[BackwardPass, bool] | None:
     """The pass ``p``'s gradient belongs to (begun by this gradient when it is the first), and
     whether ``p`` already had one in it; None when the gradient is not this optimizer's."""
     win = opt._window
-    mb = win.backward_pass
+    mb = win.passes.current
     if mb is not None and mb.failed():
         settle_failed_pass(opt)
         mb = None
     if mb is None:
-        if win.backward_owned and not win.own_backward:
+        if win.passes.owned and not win.passes.own:
             return None  # not a micro-batch of this optimizer (a GAN's other loss): .grad stays, as torch leaves it
         mb = begin_pass(opt, p)
         mb.ender = _queue_end(opt)
@@ -868,7 +868,7 @@ def _join_pass(opt, p: Tensor) -> tuple[BackwardPass, bool] | None:
         opt._fast_path.take_records(opt, mb)
     again = p in mb.seen or bool(mb.taken_slots and opt._fast_path.slot_of.get(p) in mb.taken_slots)
     updated = p in mb.done or bool(mb.done_slots and opt._fast_path.slot_of.get(p) in mb.done_slots)
-    if again and (updated or (mb.closing and win.sync is not None and not win.transaction)):
+    if again and (updated or (mb.closing and win.sync is not None and not win.transaction.active)):
         # (a parameter used both inside and outside a reentrant checkpoint gets two)
         raise RuntimeError(
             f"{opt.update_spec.name(opt, p)} received a second gradient in the backward pass of the window's last "
@@ -924,7 +924,7 @@ def _add(opt, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
         mb.norms.pop(p, None)
         if mb.slot_norms:
             mb.slot_norms.pop(opt._fast_path.slot_of.get(p), None)
-    if mb.closing and win.sync is not None and not again and not win.transaction:
+    if mb.closing and win.sync is not None and not again and not win.transaction.active:
         win.sync.grad_ready(p)  # may launch its bucket's all-reduce while backward goes on
 
 
@@ -948,15 +948,15 @@ def begin_pass(opt, first: Tensor | None = None) -> BackwardPass:
         opt._run_step_hooks(post=False)
     weight, weight_sum = win.begin_micro_batch(opt, win.take_pending_weight(), closing)
     # (a run() pass folds nothing: a failure in it must leave no parameter updated)
-    fold = (closing and win.folds_last(opt) and not win.transaction
+    fold = (closing and win.folds_last(opt) and not win.transaction.active
             and not (first is not None and by_torch_ops(first)))
     # With FSDP2, opt.backward scaled the loss by the weight: the gradients carry it.
     grad_weight = 1.0 if win.shards is not None else weight
     # Clipping on one rank: the norms come from the hooks' accumulate passes (across ranks they
     # are measured on the reduced sums instead).
     measure_norms = closing and opt.max_grad_norm is not None and not win.spans_ranks
-    win.backward_pass = BackwardPass(grad_weight, weight_sum, closing, fold, measure_norms)
-    return win.backward_pass
+    win.passes.current = BackwardPass(grad_weight, weight_sum, closing, fold, measure_norms)
+    return win.passes.current
 
 
 @torch.no_grad()
@@ -965,12 +965,12 @@ def end_pass(opt) -> None:
     unfrozen since their hooks were due join it; the window counts the micro-batch and, on its
     last, closes, and torch's step post-hooks run."""
     win = opt._window
-    if win.backward_pass is not None:
+    if win.passes.current is not None:
         if opt._fast_path is not None:
-            opt._fast_path.take_records(opt, win.backward_pass, end=True)
+            opt._fast_path.take_records(opt, win.passes.current, end=True)
         rehook_dropped(opt, take=True)
         _hook_unfrozen(opt)
-    mb, win.backward_pass = win.backward_pass, None
+    mb, win.passes.current = win.passes.current, None
     if mb is not None:
         norms = mb.norms
         if norms is not None and mb.slot_norms:

@@ -15,9 +15,9 @@ as it was (or as the unsplit micro-batch would have left it), and its retry coun
   backward runs, and a failed pass cannot be subtracted without keeping its gradients (measured
   2.7x slower on CPU, in_backward.settle_failed_pass). What a failed pass added, it added whole
   (a parameter's gradient is complete when its hook runs), so those parameters keep it
-  (``Window.complete``) and the retried parts, which count as one micro-batch of the same
-  weight (``Window.parts_left``), skip them. The pass folds nothing into the update and starts no
-  collective (``Window.transaction``): its failure leaves no parameter updated and no rank
+  (``Window.transaction.complete``) and the retried parts, which count as one micro-batch of the same
+  weight (``Window.transaction.parts_left``), skip them. The pass folds nothing into the update and starts no
+  collective (``Window.transaction.active``): its failure leaves no parameter updated and no rank
   waiting. An exception other than out-of-memory after something was added cannot be undone:
   mode B discards the window with a RuntimeWarning, mode A keeps the sum (autograd's semantics).
 
@@ -274,7 +274,7 @@ def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: 
         if step is not None:
             raise NotImplementedError("opt.run(scaler=...) through a framework's wrapper")
         step = _scaled_step(opt, scaler)
-    if win.backward_done or win.backward_pass is not None or win.parts_left:
+    if win.backward_done or win.passes.current is not None or win.transaction.parts_left:
         raise RuntimeError(f"{type(opt).__name__}.run() while another micro-batch is pending (backward() without "
                            "step(), or inside a backward pass): finish it first")
     state = opt.recovery
@@ -285,7 +285,7 @@ def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: 
     tried = [_largest(parts)]
     progress = [0]  # in_backward: parts already in the window
     while True:
-        closings = win.closings
+        closings = win.transaction.closings
         try:
             if opt.in_backward:
                 loss = _run_in_backward(opt, parts, loss_fn, weight, total, progress)
@@ -300,7 +300,7 @@ def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: 
             # A failure in the window's update (it had begun: Window.close) is not the pass's: the
             # window is gone with it (Window.close), and retrying the micro-batch would make it
             # the first of a new window. Raised as it is.
-            if not is_out_of_memory(exc) or win.closings != closings:
+            if not is_out_of_memory(exc) or win.transaction.closings != closings:
                 _give_up(opt, progress[0])
                 raise
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
@@ -320,7 +320,7 @@ def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: 
                 smaller = [] if _one_sample([failed]) else _split(failed.batch, failed.size, 2, split)
                 more = len(smaller) > 1
                 for part in smaller:  # (what the failed pass added whole, theirs to skip; not the parts after)
-                    part.done = frozenset(win.complete)
+                    part.done = frozenset(win.transaction.complete)
                 parts = smaller + parts[1:]
             else:  # plain mode: the whole micro-batch again, in twice as many parts
                 smaller = [] if _one_sample(parts) else _split(batch, total, 2 * len(parts), split)
@@ -394,14 +394,14 @@ def _run_plain(opt, parts: list[_Part], loss_fn, weight, total, step: Callable, 
         p.grad = None
     tell_transaction(opt, "transaction_begins")
     if len(parts) == 1:
-        opt._window.part_serial += 1
+        opt._window.transaction.part_serial += 1
         loss, w = _call(loss_fn, parts[0], weight, total)
         scale(loss).backward()
         step(weight=w)
         return loss.detach()
     losses, weights = [], []
     for part in parts:
-        opt._window.part_serial += 1
+        opt._window.transaction.part_serial += 1
         loss, w = _call(loss_fn, part, weight, total)
         scale(loss * w).backward()
         losses.append(loss.detach())
@@ -422,16 +422,16 @@ def _run_in_backward(opt, parts: list[_Part], loss_fn, weight, total, progress: 
     win = opt._window
     mode_a = opt.accumulation_steps == 1
     losses, weights = [], []
-    win.transaction = True
+    win.transaction.active = True
     try:
         while parts:
             part = parts[0]
-            win.complete.clear()  # (the skipped parameters are the part's own: Window.complete)
-            win.complete.update(part.done)
+            win.transaction.complete.clear()  # (the skipped parameters are the part's own: Window.transaction.complete)
+            win.transaction.complete.update(part.done)
             tell_transaction(opt, "transaction_begins")
-            win.part_serial += 1
+            win.transaction.part_serial += 1
             loss, w = _call(loss_fn, part, weight, total, summed=mode_a)
-            win.parts_left = len(parts) - 1
+            win.transaction.parts_left = len(parts) - 1
             if mode_a:
                 share = part.share(total)
                 opt.backward(loss * share if share != 1.0 else loss)
@@ -442,7 +442,7 @@ def _run_in_backward(opt, parts: list[_Part], loss_fn, weight, total, progress: 
             parts.pop(0)
             progress[0] += 1
     finally:
-        win.transaction = False
+        win.transaction.active = False
     return _mean(losses, weights)
 
 
@@ -455,8 +455,8 @@ def _mean(losses: list[Tensor], weights: list[float]) -> Tensor:
 
 def _end(opt) -> None:
     win = opt._window
-    win.parts_left = 0
-    win.complete.clear()
+    win.transaction.parts_left = 0
+    win.transaction.complete.clear()
 
 
 def _give_up(opt, parts_in: int) -> None:
@@ -464,7 +464,7 @@ def _give_up(opt, parts_in: int) -> None:
     is as it was). in_backward: nothing added, nothing changed; otherwise mode A keeps the sum
     (as autograd keeps a failed pass's .grad) and mode B discards the window, saying so."""
     win = opt._window
-    added = parts_in > 0 or bool(win.complete)
+    added = parts_in > 0 or bool(win.transaction.complete)
     _end(opt)
     if not opt.in_backward:
         for p in opt.update_spec.params(opt):

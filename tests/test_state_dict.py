@@ -346,6 +346,33 @@ def test_torch_dcp_state_dict_api_on_a_plain_model():
     assert fresh.micro_step == 0
 
 
+def test_a_window_pickled_with_flat_records_loads_into_them():
+    """A window pickled before its records were grouped (in_backward's pass records, recovery's
+    transaction and the fast paths' mirrors as flat fields) loads into the records; the mirrors
+    are rebuilt, never carried by a copy."""
+    import pickle
+
+    from accum_fused.window import Window
+
+    win = Window()
+    win.transaction.parts_left, win.transaction.part_serial, win.passes.owned = 2, 5, True
+    win.caches.version = 7
+    copied = pickle.loads(pickle.dumps(win))
+    assert (copied.transaction.parts_left, copied.transaction.part_serial, copied.passes.owned) == (2, 5, True)
+    assert copied.caches.version == 0 and copied.caches.step_table is None
+
+    flat = {k: v for k, v in Window().__dict__.items() if k not in ("passes", "transaction", "caches")}
+    flat.update(parts_left=1, complete=set(), transaction=True, part_serial=3, closings=4, backward_pass=None,
+                own_backward=False, backward_owned=True, step_table=None, table_blocked=True, version=9,
+                buffers_version=2, update_plan=None, hook_state=None)
+    old = Window.__new__(Window)
+    old.__setstate__(flat)
+    assert (old.transaction.parts_left, old.transaction.active, old.transaction.part_serial,
+            old.transaction.closings, old.passes.owned) == (1, True, 3, 4, True)
+    assert old.caches.version == 0 and not old.caches.table_blocked
+    assert not {"parts_left", "transaction_active", "version", "backward_owned"} & set(vars(old))
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 @pytest.mark.parametrize("name,hyper", CONFIGS + [pytest.param("wrapped", {}, id="GradientAccumulator-Adagrad")])
 def test_mid_window_copy_continues_bit_exactly(backend, name, hyper, how):

@@ -505,4 +505,4 @@ def test_buffers_loaded_mid_window_go_with_the_window_too():
                 assert not opt._window.buffers and not opt._window.adopted
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(p, q)
-    assert opts[1]._window.step_table is not None and opts[1].update_count == 4
+    assert opts[1]._window.caches.step_table is not None and opts[1].update_count == 4

@@ -284,7 +284,7 @@ class _Taken:
             # (a part of a micro-batch that opt.run split records as a micro-batch of its own:
             # its calls pool into the same calls; recovery.py counts parts in part_serial)
             win = opt._window
-            self.record.add(self.name, (win.micro_step, win.part_serial), _moments(input))
+            self.record.add(self.name, (win.micro_step, win.transaction.part_serial), _moments(input))
 
 
 @torch.library.custom_op("accum_fused::window_batchnorm_record", mutates_args=())

@@ -47,7 +47,7 @@ def close(win, opt, last_pairs=(), last_weight: float = 1.0, grad_scale: Tensor 
     last pass already updated inside their hooks (folds_last: no ranks, no clipping); the
     window's other live parameters (no gradient in that pass) are updated here. Sets and
     returns ``updated``."""
-    win.closings += 1
+    win.transaction.closings += 1
     weight_sum, skip, clip_coef = agree(win, opt, flushing)
     win.live -= updated_in_hooks
     # An empty window (no gradient anywhere: no micro-batch on any rank, or only None grads)

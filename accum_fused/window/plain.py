@@ -23,7 +23,7 @@ def add_micro_batch(win, opt, pairs, weight: float, grad_scale: Tensor | None, f
     # The buffers this call writes, and at closing every buffer the update reads, fit their
     # parameters (a current step table vouches for all of them in one call), and at closing
     # the optimizer state too (once per table: what changes it makes the table stale).
-    table = win.step_table
+    table = win.caches.step_table
     if table is not None and table.current(win) and table.cpp.conforms():
         if closing and not table.state_conformed:
             params = [p for p, _ in pairs]
@@ -62,7 +62,7 @@ def take_with_table(win, opt, weight: float, grad_scale: Tensor | None, found_in
     add_micro_batch does, in one extension call (StepTable) instead of a Python loop over the
     parameters. False, with nothing changed, where the table cannot take it exactly so
     (add_micro_batch then does, and is the spec this is tested against)."""
-    if opt.in_backward or win.shards is not None or win.parts_left:
+    if opt.in_backward or win.shards is not None or win.transaction.parts_left:
         return False
     closing = win.closes_with(opt)
     if closing and win.sync is not None:
@@ -73,7 +73,7 @@ def take_with_table(win, opt, weight: float, grad_scale: Tensor | None, found_in
     present = table.cpp.check([group["params"] for group in opt.param_groups])
     if present <= 0:  # (none: add_micro_batch warns; -1: something it must check, conform or raise)
         if present < 0:
-            win.step_table = None
+            win.caches.step_table = None
         return False
     plan = None
     if closing:
@@ -112,22 +112,22 @@ def gave_buffers(win, table: StepTable, given: list[int], buffers: list[Tensor],
     if adopted:
         win.adopted.update(params[:adopted])
     if adopted < len(params):
-        win.buffers_version += 1  # (a buffer kept between windows; the table mirrors it: no version)
+        win.caches.buffers_version += 1  # (a buffer kept between windows; the table mirrors it: no version)
     table.buffered.update(params)
 
 
 def table_for(win, opt) -> StepTable | None:
     """The step table, true to ``buffers`` and ``live``; built (once per window at most)
     when there is none or it went stale; None where plain mode's loop stays Python's."""
-    table = win.step_table
+    table = win.caches.step_table
     if table is not None and table.current(win):
         return table
-    win.step_table = None
-    if win.table_blocked or backends.extension_paths(opt.backend, table=True) is None:
+    win.caches.step_table = None
+    if win.caches.table_blocked or backends.extension_paths(opt.backend, table=True) is None:
         return None
-    win.table_blocked = True
-    win.step_table = StepTable.build(opt, win)
-    return win.step_table
+    win.caches.table_blocked = True
+    win.caches.step_table = StepTable.build(opt, win)
+    return win.caches.step_table
 
 
 def accumulate(win, pairs, weight: float, grad_scale: Tensor | None, opt,
@@ -151,7 +151,7 @@ def accumulate(win, pairs, weight: float, grad_scale: Tensor | None, opt,
         if call_norms is not None:
             norms.update(zip([p for p, _ in items], call_norms.unbind()))
     win.live.update(p for p, _ in pairs)
-    table = win.step_table
-    if table is not None and table.version == win.version:
+    table = win.caches.step_table
+    if table is not None and table.version == win.caches.version:
         table.cpp.mark_live([p for p, _ in pairs])
     return norms

@@ -9,7 +9,9 @@ replicas, ``shards``: FSDP2). Its verbs: ``begin_micro_batch`` / ``accumulate_on
 ``finish_micro_batch`` (one arriving parameter at a time, from in_backward.py's hooks),
 ``close`` (close.py), ``discard``, ``abandon`` (discard a window that held something, without
 closing it). Plain mode's micro-batches (a whole micro-batch from step()) are plain.py's; the
-step table and the update's kept lists table.py's.
+step table and the update's kept lists table.py's. The other concerns that share the window
+keep their fields in records on it, by owner: ``passes`` (in_backward.py's), ``transaction``
+(recovery.py's), ``caches`` (the fast paths' mirrors of the window and their keys).
 
 Must not: read ``.grad`` or touch hooks (the optimizer and in_backward.py hand gradients in),
 or do per-element math (backends do). It asks its optimizer, passed to the verbs that need it,
@@ -44,6 +46,86 @@ def _weight_band(weight: float) -> int:
     return _WEIGHT_BAND * math.floor(math.frexp(weight)[1] / _WEIGHT_BAND)
 
 
+class _Record:
+    """A few named fields, picklable (slots)."""
+
+    __slots__ = ()
+
+    def __getstate__(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+        for name, value in state.items():
+            setattr(self, name, value)
+
+
+class PassRecords(_Record):
+    """in_backward.py's records on the window: the backward pass running now (``current``, a
+    BackwardPass), whether opt.backward() runs it (``own``), and whether opt.backward() was ever
+    used in mode B (``owned``: then only its passes are micro-batches)."""
+
+    __slots__ = ("current", "own", "owned")
+
+    def __init__(self) -> None:
+        self.current = None
+        self.own = False
+        self.owned = False
+
+
+class Transaction(_Record):
+    """Out-of-memory recovery's records on the window (recovery.py writes them): a micro-batch
+    run as parts counts once. While ``parts_left`` > 0 the part being added is not the
+    micro-batch's last: it neither counts nor closes the window. ``complete``: parameters whose
+    gradient of the part being run is already in (a failed in-backward pass of the part it was
+    split from added it whole), which its hooks drop; recovery.py sets it per part
+    (_Part.done): the parts after it take their gradients whole. ``active``: a run() pass is
+    running, whose failure must leave nothing half-applied (no update inside its hooks, no
+    collective in it). ``part_serial``: bumped as each part runs (accum_fused.nn's records tell
+    parts apart by it); ``closings``: bumped as close() begins (a failure after it was the
+    update's, not a pass's)."""
+
+    __slots__ = ("parts_left", "complete", "active", "part_serial", "closings")
+
+    def __init__(self) -> None:
+        self.parts_left = 0
+        self.complete: set[Tensor] = set()
+        self.active = False
+        self.part_serial = 0
+        self.closings = 0
+
+
+# A window pickled before these records: its flat fields -> (record, field).
+_FLAT_FIELDS = {"backward_pass": ("passes", "current"), "own_backward": ("passes", "own"),
+                "backward_owned": ("passes", "owned"), "parts_left": ("transaction", "parts_left"),
+                "complete": ("transaction", "complete"), "active": ("transaction", "active"),
+                "part_serial": ("transaction", "part_serial"), "closings": ("transaction", "closings")}
+
+
+class Mirrors:
+    """The fast paths' copies of the window and what keeps them true (never pickled: rebuilt).
+    ``step_table``: plain mode's micro-batches in one extension call (table.StepTable, which
+    mirrors ``buffers`` and ``live`` for every parameter); ``version`` is bumped by every change
+    to them it does not mirror (Window.changed), which makes it stale; ``table_blocked``: it was
+    built, or could not take a micro-batch, in this window (at most one build per window).
+    ``buffers_version``: bumped with ``version`` where buffers kept between windows change
+    (allocated, replaced, dropped, loaded), not by adoptions, live flags or the buffers a window
+    lets go of (in_backward.FastPath's window-start lists are true to it). ``update_plan``: the
+    update's per-parameter lists, kept between closes while they stand (table.UpdatePlan).
+    ``hook_state``: in_backward's extension hooks (csrc/hooks.cpp's HookState), whose lists for
+    the next pass hold buffers of the window (adopted gradients): let go of when it is emptied."""
+
+    __slots__ = ("step_table", "table_blocked", "version", "buffers_version", "update_plan", "hook_state")
+
+    def __init__(self) -> None:
+        self.step_table: StepTable | None = None
+        self.table_blocked = False
+        self.version = 0
+        self.buffers_version = 0
+        self.update_plan: UpdatePlan | None = None
+        self.hook_state = None
+
+
 class Window:
     """The open window; see the module docstring. ``live`` holds the parameters that received
     a gradient in the open window (their buffers are live; every other buffer is stale and the
@@ -75,71 +157,48 @@ class Window:
         # that they arrive summed with a later one's and take that one's weight.
         self.late_weights: list[float | None] = []
         self.grads_held = False
-        # in_backward.py's record of the backward pass running now (a BackwardPass), kept here so
-        # that every holder of the window sees the same one; whether opt.backward() runs it, and
-        # whether opt.backward() was ever used in mode B (then only its passes are micro-batches).
-        self.backward_pass = None
-        self.own_backward = False
-        self.backward_owned = False
+        # The records of the concerns that share the window (every holder of the window sees
+        # the same ones): in_backward.py's backward passes, recovery.py's transaction, the fast
+        # paths' mirrors of the window and what keeps them true.
+        self.passes = PassRecords()
+        self.transaction = Transaction()
+        self.caches = Mirrors()
         # Buffers that are autograd's own gradient tensors (in_backward zero-copy), or that a
         # fused Linear's GEMM started (accum_fused.nn): dropped when the window closes, since the
         # next window adopts or writes fresh ones (resident 12 B/param for fp32 AdamW, as the
         # native loop after zero_grad, instead of 16).
         self.adopted: set[Tensor] = set()
-        # Out-of-memory recovery (recovery.py): a micro-batch run as parts counts once. While
-        # ``parts_left`` > 0 the part being added is not the micro-batch's last: it neither counts
-        # nor closes the window. ``complete``: parameters whose gradient of the part being run
-        # is already in (a failed in-backward pass of the part it was split from added it
-        # whole), which its hooks drop; recovery.py sets it per part (_Part.done): the parts
-        # after it take their gradients whole. ``transaction``: a run() pass is running, whose failure
-        # must leave nothing half-applied (no update inside its hooks, no collective in it).
-        self.parts_left = 0
-        self.complete: set[Tensor] = set()
-        self.transaction = False
-        self.part_serial = 0  # bumped as each part runs: accum_fused.nn's records tell parts apart by it
-        self.closings = 0  # bumped as close() begins: a failure after it was the update's, not a pass's
-        # Plain mode's micro-batches in one extension call (StepTable, csrc/step_table.cpp). The
-        # table mirrors ``buffers`` and ``live`` for every parameter; ``version`` is bumped by every
-        # change to them it does not mirror (``changed``), which makes it stale. ``table_blocked``:
-        # it was built, or could not take a micro-batch, in this window (at most one build per window).
-        self.step_table: StepTable | None = None
-        self.table_blocked = False
-        self.version = 0
-        # Bumped with ``version`` where buffers kept between windows change (allocated, replaced,
-        # dropped, loaded); not by adoptions, live flags or the buffers a window lets go of
-        # (in_backward.FastPath's window-start lists are true to it).
-        self.buffers_version = 0
-        # The update's per-parameter lists, kept between closes while they stand (UpdatePlan).
-        self.update_plan: UpdatePlan | None = None
-        # in_backward's extension hooks (csrc/hooks.cpp's HookState), whose lists for the next
-        # pass hold buffers of the window (adopted gradients): let go of when it is emptied.
-        self.hook_state = None
 
     def __getstate__(self) -> dict:
-        # (the extension's table is not picklable; a copy builds its own)
-        return {**self.__dict__, "step_table": None, "table_blocked": False, "update_plan": None,
-                "hook_state": None}
+        # (the fast paths' mirrors are not picklable: a copy builds its own)
+        return {**self.__dict__, "caches": Mirrors()}
 
     def __setstate__(self, state: dict) -> None:
-        # An optimizer pickled before out-of-memory recovery (or the step table) has a window without its fields.
-        self.__dict__.update(parts_left=0, complete=set(), transaction=False, part_serial=0, closings=0,
-                             step_table=None, table_blocked=False, version=0, buffers_version=0, update_plan=None,
-                             hook_state=None)
+        # A window pickled before these records has their fields flat (or, before out-of-memory
+        # recovery and the step table, not at all).
+        if not isinstance(state.get("transaction", Transaction()), Transaction):
+            state["active"] = state.pop("transaction")
+        flat = {name: state.pop(name) for name in (*_FLAT_FIELDS, *Mirrors.__slots__) if name in state}
+        self.__dict__.update(passes=PassRecords(), transaction=Transaction(), caches=Mirrors())
         self.__dict__.update(state)
+        for name, value in flat.items():
+            record, field = _FLAT_FIELDS.get(name, (None, None))
+            if record is not None:
+                setattr(getattr(self, record), field, value)
 
     def changed(self, kept: bool = True) -> None:
         """``buffers`` or ``live`` changed in a way the step table does not mirror: it is stale.
         ``kept``: a buffer kept between windows changed (not only adopted ones or live flags)."""
-        self.version += 1
-        self.buffers_version += kept
+        self.caches.version += 1
+        self.caches.buffers_version += kept
 
     def last_part(self) -> bool:
         """Whether the micro-batch being added ends with this part (see ``parts_left``)."""
-        return self.parts_left == 0
+        return self.transaction.parts_left == 0
 
     def closes_with(self, opt) -> bool:
         """Whether the micro-batch (part) being added now is the window's last."""
-        return self.parts_left == 0 and self.micro_step + 1 >= opt.accumulation_steps
+        return self.transaction.parts_left == 0 and self.micro_step + 1 >= opt.accumulation_steps
 
     @property
     def may_adopt(self) -> bool:
@@ -228,7 +287,7 @@ class Window:
             self.weight_shift = 0
         else:
             weight = self.enter_weight(weight)
-        if closing and self.sync is not None and not self.transaction:
+        if closing and self.sync is not None and not self.transaction.active:
             # (a run() pass reduces at its end instead: a pass that fails must not leave a
             # collective half-done on this rank while the others wait in it)
             shift = self.sync.begin_overlapped_window(opt.update_spec.params(opt), self.live, self.weight_sum + weight,
@@ -245,7 +304,7 @@ class Window:
         the window-gradient norms its hooks' accumulate passes produced, for clipping)."""
         if self.last_part():
             self.micro_step += 1
-            self.complete.clear()
+            self.transaction.complete.clear()
         self.weight_sum = weight_sum
         if self.shards is not None and opt.accumulation_steps > 1:
             self.late_weights.append(None)  # opt.backward put the weight into the loss
@@ -304,7 +363,7 @@ class Window:
         stale buffer it had is dropped: a kept buffer changed)."""
         kept = p in self.buffers
         self.adopt_many([p], [grad])
-        self.buffers_version += kept
+        self.caches.buffers_version += kept
 
     def adopt_many(self, params: list[Tensor], grads: list[Tensor], param_set: set[Tensor] | None = None) -> None:
         """``adopt`` for each of ``params`` (the extension's hooks adopted them in one pass; it
@@ -360,9 +419,9 @@ class Window:
     def discard(self) -> None:
         """Empty the window (counters of past updates stay). Buffers kept between windows stay
         allocated, stale; adopted ones (autograd's gradients, fresh loaded ones) are let go of."""
-        table = self.step_table
+        table = self.caches.step_table
         # (while the table is current, the window's adopted buffers are the ones it gave)
-        current = table is not None and table.version == self.version
+        current = table is not None and table.version == self.caches.version
         # A new window: what was cached from this one's live set (in_backward.FastPath's arm lists)
         # does not carry over. The step table follows (no live flag, no adopted buffer), unless it
         # was stale already.
@@ -373,8 +432,8 @@ class Window:
                 table.buffered = set()
             else:
                 table.buffered.difference_update(self.adopted)
-        if self.hook_state is not None:
-            self.hook_state.new_window()
+        if self.caches.hook_state is not None:
+            self.caches.hook_state.new_window()
         if len(self.adopted) == len(self.buffers) and self.sync is None:
             self.buffers.clear()  # (every buffer was adopted: no deletion per parameter)
         else:
@@ -385,8 +444,8 @@ class Window:
         if table is not None:
             table.cpp.reset_live()
             if current:
-                table.version = self.version
-        self.table_blocked = False
+                table.version = self.caches.version
+        self.caches.table_blocked = False
         self.late_weights.clear()
         self.grads_held = False
         self.micro_step, self.weight_sum, self.weight_shift, self.found_inf = 0, 0.0, 0, None

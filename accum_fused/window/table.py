@@ -45,7 +45,7 @@ class StepTable:
 
     def current(self, win) -> bool:
         """Whether the table is true to ``win``'s buffers and live set."""
-        return self.version == win.version and self.cpp.live_count == len(win.live)
+        return self.version == win.caches.version and self.cpp.live_count == len(win.live)
 
     @staticmethod
     def build(opt, win: Window) -> StepTable | None:
@@ -76,7 +76,7 @@ class StepTable:
         adopted = [p in win.adopted for p in params]
         # (DDP's buffers are views of its flat buckets: not to be replaced by gradients)
         table = cpp.StepTable(params, buffers, live, adopted, may_adopt=win.may_adopt)
-        return StepTable(table, params, {p for p, buf in zip(params, buffers) if buf is not None}, device, win.version)
+        return StepTable(table, params, {p for p, buf in zip(params, buffers) if buf is not None}, device, win.caches.version)
 
     def closing_plan(self, opt, win: Window, present: int) -> UpdatePlan | None:
         """How the window's closing micro-batch and the update run with no Python loop over the
@@ -145,10 +145,10 @@ class UpdatePlan:
         spec = opt.update_spec
         if not spec.has_lists or win.shards is not None:
             return None
-        plan = win.update_plan
+        plan = win.caches.update_plan
         if plan is not None and (not every_live or len(win.live) == plan.count) and plan.stand(opt):
             return plan
-        win.update_plan = None
+        win.caches.update_plan = None
         if not build or (every_live and len(win.live) != sum(len(group["params"]) for group in opt.param_groups)):
             return None  # (and no state is created for a parameter the window leaves alone)
         calls, start, complete = [], 0, True
@@ -165,7 +165,7 @@ class UpdatePlan:
             start += len(params)
         plan = UpdatePlan(calls, UpdatePlan.state_key(opt), complete)
         if complete:  # (state that the update creates: read again at the next close)
-            win.update_plan = plan
+            win.caches.update_plan = plan
         return plan
 
     @staticmethod
