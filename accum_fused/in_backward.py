@@ -187,7 +187,7 @@ class FastPath:
         # then adds), so a pass in which nothing else changed the window leaves them true to the
         # window as it ends (take_records re-keys them).
         self._armed: tuple | None = None
-        self._armed_pass: tuple | None = None  # (first parameter, may_adopt) of the pass they were armed for
+        self._armed_pass: Tensor | None = None  # the first parameter of the pass they were armed for
         # The window the last window-start lists were built for (no buffer live), short of what
         # only the extension changes (adoptions, live flags): a new window arms them again
         # (``rearm_start``; the extension drops the buffers adopted since) while the buffers
@@ -214,6 +214,7 @@ class FastPath:
             slot = self.slot_of[p] = len(self.params)
             self.params.append(p)
             self.state.add_slot()
+            self._armed = self._start_key = None  # (the kept lists do not arm the new slot)
         # (Plain tensors only: FSDP2 calls the dict of a sharded DTensor parameter's Python hooks
         # itself, and would not call a hook in the slot.)
         if type(p) in (Tensor, torch.nn.Parameter) and p.is_leaf and not p._post_accumulate_grad_hooks:
@@ -240,18 +241,18 @@ class FastPath:
         fold = _FoldArgs() if mb.fold else None
         may_adopt = win.may_adopt
         complete = win.transaction.complete  # (their gradients go to take_grad, which drops them)
-        # What the lists below depend on, short of a loop over the parameters: the slots, the
-        # parameter taken first (not armed), which buffers exist and are live (``win.caches.version``
-        # moves with every buffer allocated, adopted or replaced and with every new window; the
-        # live set only grows within a window, so its size tells), adoption. Complete parameters
-        # and folds are not cached.
-        key = self._key(win, first, may_adopt)
+        # What the lists below depend on, short of a loop over the parameters: the parameter taken
+        # first (not armed), which buffers exist and are live (``win.caches.version`` moves with
+        # every buffer allocated, adopted or replaced, with every new window and with the ranks
+        # joined, which end adoption; the live set only grows within a window, so its size
+        # tells). A slot added drops them (``hook``). Complete parameters and folds are not cached.
+        key = self._key(win, first)
         norm_weight_sum = mb.weight_sum if mb.norms is not None else None
         window_start = fold is None and not complete and not win.live
-        start_key = self._start_key_of(win, first, may_adopt) if window_start else None
+        start_key = self._start_key_of(win, first) if window_start else None
         self._armed_pass = None
         if fold is None and not complete and self._rearm(mb, key, start_key, norm_weight_sum):
-            self._armed_pass = (first, may_adopt)
+            self._armed_pass = first
             return
         self._armed = None
         if fold is not None and not complete and self._arm_folds_from_kept(opt, mb, first):
@@ -287,7 +288,7 @@ class FastPath:
                        fold.overwrite, *fold.states, window_start=window_start)
         if not fold.specs and not complete:
             self._armed = key  # (the extension keeps the lists: rearm)
-            self._armed_pass = (first, may_adopt)
+            self._armed_pass = first
             if window_start:
                 self._start_key = start_key
 
@@ -347,11 +348,13 @@ class FastPath:
                        *states, window_start=False)
         return True
 
-    def _key(self, win, first: Tensor, may_adopt: bool) -> tuple:
-        return (len(self.params), id(first), win.caches.version, len(win.live), may_adopt, id(win.buffers))
+    @staticmethod
+    def _key(win, first: Tensor) -> tuple:
+        return id(first), win.caches.version, len(win.live)
 
-    def _start_key_of(self, win, first: Tensor, may_adopt: bool) -> tuple:
-        return (len(self.params), id(first), win.caches.buffers_version, may_adopt, id(win.buffers))
+    @staticmethod
+    def _start_key_of(win, first: Tensor) -> tuple:
+        return id(first), win.caches.buffers_version
 
     def take_records(self, opt, mb: BackwardPass, end: bool = False) -> None:
         """Record in the window and in ``mb`` what the extension did since the last call;
@@ -387,8 +390,7 @@ class FastPath:
         if end and self._armed_pass is not None:
             # A pass whose every other gradient the extension took leaves its lists true to the
             # window as it is now (the first gradient, Python's, is never in them).
-            first, may_adopt = self._armed_pass
-            self._armed = self._key(win, first, may_adopt) if mb.python_joins == 1 else None
+            self._armed = self._key(win, self._armed_pass) if mb.python_joins == 1 else None
             self._armed_pass = None
 
     def write_linear(self, p: Tensor, grad_out: Tensor, inp: Tensor | None) -> bool:

@@ -221,3 +221,42 @@ def test_gradients_python_takes_in_some_passes(monkeypatch, mode):
 
     for a, b in zip(train(False), train(True)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["A", "B"])
+def test_a_param_group_added_is_armed_by_the_kept_lists(monkeypatch, mode):
+    """The extension's kept lists (FastPath's rearm, keyed by the window's mirrors) stop being
+    reused when a parameter is hooked after them: the next passes arm the new group too, and
+    its gradients are the extension's, not the Python hook's, from then on."""
+    if built_without_extension():
+        pytest.skip("the extension's hooks")
+    model = Net()
+    opt = _optimizer("AdamW", [p for n, p in model.named_parameters() if not n.startswith("extra")], mode, None)
+    python_took = []
+    take_grad = in_backward.take_grad
+
+    def counted(opt_, p, *args, **kwargs):
+        python_took.append(p)
+        return take_grad(opt_, p, *args, **kwargs)
+    monkeypatch.setattr(in_backward, "take_grad", counted)
+    gen = torch.Generator().manual_seed(1)
+
+    def window(use_extra):
+        passes = []
+        for _ in range(K):
+            python_took.clear()
+            loss = model(torch.randn(3, 5, generator=gen), use_extra=use_extra).square().mean()
+            opt.backward(loss) if mode == "B" else loss.backward()
+            passes.append(list(python_took))
+        if mode == "A":
+            opt.step()
+            opt.zero_grad()
+        return passes
+
+    for _ in range(2):
+        window(False)
+    opt.add_param_group({"params": list(model.extra.parameters())})
+    for w in range(3):
+        passes = window(True)
+    # Each pass's first gradient is Python's (it arms the others); no other one is.
+    assert all(len(took) == 1 for took in passes), passes
