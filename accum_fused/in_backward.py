@@ -310,9 +310,11 @@ class FastPath:
         from .backends import cpp_backend
         from .window import UpdatePlan
         win = opt._window
-        # (built here once every parameter has state: a first update creates it in Python)
-        kept = UpdatePlan.for_window(opt, win, build=len(opt.state) >= len(win.live))
         spec = opt.update_spec
+        # (built here once every parameter has state: a first update creates it in Python, and
+        # reading Adam's lists would create it first)
+        kept = UpdatePlan.for_window(opt, win, build=not spec.state_lists_create_state
+                                     or len(opt.state) >= len(win.live))
         if kept is None or not kept.complete or not spec.has_lists:
             return False
         params = spec.params(opt)
@@ -462,9 +464,9 @@ class _FoldArgs:
         """Record ``p``'s fold; False when it stays Python's (an optimizer without
         per-group update lists, state that a first update creates)."""
         spec = opt.update_spec
-        state = opt.state.get(p)
-        if not spec.has_lists or not state:
+        if not spec.has_lists:
             return False
+        state = opt.state.get(p) or {}  # (SGD without momentum keeps none)
         group = opt._group_of[p]
         if not _folds_in_extension(p, group):
             return False
@@ -473,7 +475,7 @@ class _FoldArgs:
             hyper = self.hyperparameters[id(group)] = spec.hyperparameters(group)
         if "beta1" in hyper:  # Adam, AdamW
             step = state.get("step")
-            if step is None:
+            if step is None:  # (its first update creates the state)
                 return False
             count = spec.fold_count(step, self.step_counts)
             key = (id(group), count)

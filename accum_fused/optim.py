@@ -163,8 +163,12 @@ class SGDUpdate(UpdateSpec):
                     weight_decay=_as_float(group["weight_decay"]), nesterov=group["nesterov"],
                     maximize=group["maximize"])
 
+    def lists_complete(self, group, lists: dict[str, list]) -> bool:
+        # (without momentum SGD keeps no state: nothing is missing)
+        return _as_float(group["momentum"]) == 0 or super().lists_complete(group, lists)
+
     def state_lists(self, opt, group, params) -> dict[str, list]:
-        # (not kept while a momentum buffer is still None: window.UpdatePlan's ``complete``)
+        # (not kept while a momentum buffer is still None: lists_complete)
         # .get on the defaultdict: SGD without momentum keeps no per-parameter entry, as torch.
         states = [opt.state.get(p) for p in params]
         return dict(states=states, params=[kernel_view(p) for p in params],
@@ -227,6 +231,7 @@ class AdamUpdate(UpdateSpec):
 
     kept_state_entries = {"steps": "step", "exp_avgs": "exp_avg", "exp_avg_sqs": "exp_avg_sq",
                           "max_exp_avg_sqs": "max_exp_avg_sq"}
+    state_lists_create_state = True
 
     @staticmethod
     def hyperparameters(group) -> dict[str, Any]:

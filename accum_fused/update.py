@@ -39,6 +39,8 @@ class UpdateSpec:
     has_lists = True
     # ``state_lists``' lists of state tensors, by the state entry each holds.
     kept_state_entries: dict[str, str] = {}
+    # Whether ``state_lists`` creates the state a first update would (Adam's zero moments).
+    state_lists_create_state = False
 
     # ------------------------------------------------------------------ the parameters
     @staticmethod
@@ -124,6 +126,11 @@ class UpdateSpec:
         the optimizer state stays the same): ``states`` (each parameter's state dict), ``params``
         (kernel views) and the class's ``kept_state_entries``."""
         raise NotImplementedError
+
+    def lists_complete(self, group, lists: dict[str, list]) -> bool:
+        """Whether ``lists`` hold every state tensor the update reads (none that its first
+        update creates): only then does window.UpdatePlan keep them."""
+        return not any(t is None for values in lists.values() for t in values)
 
     def lists_stand(self, opt, params: list[Tensor], lists: dict[str, list]) -> bool:
         """Whether ``lists`` (``state_lists(opt, group, params)``, kept by window.UpdatePlan)

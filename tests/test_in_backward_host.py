@@ -75,6 +75,8 @@ def _optimizer(name, params, mode, clip):
     kw = dict(in_backward=True, max_grad_norm=clip, accumulation_steps=K if mode == "B" else 1, backend="cpp")
     if name == "SGD":
         return accum_fused.SGD(params, lr=0.05, momentum=0.9, nesterov=True, **kw)
+    if name == "SGD-plain":  # (no momentum: no state at all)
+        return accum_fused.SGD(params, lr=0.05, weight_decay=0.01, **kw)
     if name == "Adam-amsgrad":
         return accum_fused.Adam(params, lr=0.01, amsgrad=True, **kw)
     return accum_fused.AdamW(params, lr=0.01, weight_decay=0.1, **kw)
@@ -138,7 +140,7 @@ EVENTS = ["steady", "load_state_dict", "state_replaced", "param_group", "no_grad
 @pytest.mark.parametrize("event", EVENTS)
 @pytest.mark.parametrize("mode,clip", [("A", None), ("A", 1.0), ("B", None), ("B", 0.05)],
                          ids=["modeA", "modeA-clip", "modeB", "modeB-clip"])
-@pytest.mark.parametrize("name", ["AdamW", "SGD", "Adam-amsgrad"])
+@pytest.mark.parametrize("name", ["AdamW", "SGD", "SGD-plain", "Adam-amsgrad"])
 def test_kept_lists_match_python(monkeypatch, name, mode, clip, event):
     if event == "zero_grad_mid_window" and mode == "B":
         pytest.skip("mode A's zero_grad()")
@@ -260,3 +262,36 @@ def test_a_param_group_added_is_armed_by_the_kept_lists(monkeypatch, mode):
         passes = window(True)
     # Each pass's first gradient is Python's (it arms the others); no other one is.
     assert all(len(took) == 1 for took in passes), passes
+
+
+@pytest.mark.parametrize("mode", ["A", "B"])
+@pytest.mark.parametrize("change", ["every_parameter", "all_but_the_first"])
+def test_the_plan_of_an_sgd_without_state_follows_its_parameters(monkeypatch, mode, change):
+    """SGD without momentum keeps no state whose move would witness a parameter cast between
+    windows: the kept update lists (one call per group, on the backend of the group's dtype)
+    must see the parameters themselves change, the group's first one or any other (mixed
+    dtypes: one call cannot take them)."""
+    def run(spec):
+        monkeypatch.undo()
+        uses = Uses(monkeypatch, spec)
+        gen = torch.Generator().manual_seed(3)
+        params = [nn.Parameter(torch.randn(n, generator=gen)) for n in (3, 5, 4)]
+        opt = accum_fused.SGD(params, lr=0.1, weight_decay=0.01, in_backward=True, backend="cpp",
+                              accumulation_steps=K if mode == "B" else 1)
+        for i in range(6 * K):
+            if i == 3 * K:
+                for p in params[change == "all_but_the_first":]:
+                    p.data = p.data.double()
+            x = torch.randn(5, generator=gen)
+            loss = sum((p.float() * x[:len(p)]).sin().sum() for p in params)
+            opt.backward(loss) if mode == "B" else loss.backward()
+            if mode == "A" and i % K == K - 1:
+                opt.step()
+                opt.zero_grad()
+        return uses, [p.detach().clone() for p in params]
+
+    uses, fast = run(False)
+    _, spec = run(True)
+    assert (uses.folds if mode == "B" else uses.updates) >= 2
+    for a, b in zip(fast, spec):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -120,6 +120,19 @@ class StepTable:
         win.close(opt, (), weight, grad_scale, update=update)
 
 
+def _layout_stands(spec, params: list[Tensor], lists: dict[str, list], layout: tuple) -> bool:
+    """Whether ``params`` are all still of ``layout`` (dtype, device)."""
+    dtype, device = layout
+    first = params[0]
+    if first.dtype != dtype or first.device != device:
+        return False
+    # (elementwise state follows its parameter, moved by conform_state: a kept state tensor
+    # replaced fails lists_stand; lists without any are checked here, one parameter at a time)
+    witnessed = any(lists[name] and lists[name][0] is not None
+                    for name, key in spec.kept_state_entries.items() if key in ELEMENTWISE_STATE)
+    return witnessed or all(p.dtype == dtype and p.device == device for p in params)
+
+
 class UpdatePlan:
     """Per param group, the arguments of one ``update`` call of the optimizer's update spec
     besides the buffers and the window's scalars (the spec's ``state_lists``), so that a window in which every parameter is live
@@ -131,11 +144,14 @@ class UpdatePlan:
     (``state_key``) and every kept state tensor is still the one its entry holds
     (the spec's ``lists_stand``: a state loaded, or replaced by hand, is read anew, as
     torch.optim reads it). Built only where each group is of one dtype and one device and its
-    parameters are plain tensors; kept only where no state is missing (SGD's momentum buffers
-    exist after its first update)."""
+    parameters are plain tensors, and stands while they still are of it (``layouts``: a
+    parameter moved or cast is witnessed by its state, which conform_state moves with it, or
+    where the lists hold none, SGD's without momentum, checked one by one); kept only where no
+    state is missing (SGD's momentum buffers exist after its first update)."""
 
-    def __init__(self, calls: list, key: tuple, complete: bool) -> None:
+    def __init__(self, calls: list, key: tuple, complete: bool, layouts: list) -> None:
         self.calls, self.key, self.complete = calls, key, complete  # calls: (group, params, lists, backend, span)
+        self.layouts = layouts  # per call, the (dtype, device) of its parameters
         self.count = sum(len(params) for _, params, _, _, _ in calls)
 
     @staticmethod
@@ -151,7 +167,7 @@ class UpdatePlan:
         win.caches.update_plan = None
         if not build or (every_live and len(win.live) != sum(len(group["params"]) for group in opt.param_groups)):
             return None  # (and no state is created for a parameter the window leaves alone)
-        calls, start, complete = [], 0, True
+        calls, start, complete, layouts = [], 0, True, []
         for group in opt.param_groups:
             params = list(group["params"])
             if not params:
@@ -160,10 +176,11 @@ class UpdatePlan:
             if any(p.dtype != first.dtype or p.device != first.device or kernel_view(p) is not p for p in params):
                 return None
             lists = spec.state_lists(opt, group, params)
-            complete &= not any(t is None for values in lists.values() for t in values)
+            complete &= spec.lists_complete(group, lists)
             calls.append((group, params, lists, spec.backend_for(opt, first), slice(start, start + len(params))))
+            layouts.append((first.dtype, first.device))
             start += len(params)
-        plan = UpdatePlan(calls, UpdatePlan.state_key(opt), complete)
+        plan = UpdatePlan(calls, UpdatePlan.state_key(opt), complete, layouts)
         if complete:  # (state that the update creates: read again at the next close)
             win.caches.update_plan = plan
         return plan
@@ -181,7 +198,8 @@ class UpdatePlan:
                 and all(group is kept_group and len(group["params"]) == len(params)
                         and all(map(operator.is_, group["params"], params))
                         and spec.lists_stand(opt, params, lists)
-                        for group, (kept_group, params, lists, _, _) in zip(groups, self.calls)))
+                        and _layout_stands(spec, params, lists, layout)
+                        for group, (kept_group, params, lists, _, _), layout in zip(groups, self.calls, self.layouts)))
 
     def uniform(self, opt) -> bool:
         """Whether each group's parameters share one call key (Adam's step count): one call each."""
@@ -196,7 +214,7 @@ class UpdatePlan:
         for _, params, lists, _, _ in self.calls:
             tensors = [list(map(win.buffers.__getitem__, params))]
             tensors += [lists[name] for name, key in opt.update_spec.kept_state_entries.items()
-                        if key in ELEMENTWISE_STATE and lists[name]]
+                        if key in ELEMENTWISE_STATE and lists[name] and lists[name][0] is not None]
             if not cpp.state_fits(params, tensors):
                 return False
         return True
