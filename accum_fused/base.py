@@ -62,11 +62,10 @@ def _accumulation_steps_set(self, value) -> None:
 
 
 class AccumulatingOptimizer:
-    """The entry points shared by SGD, Adam, AdamW and GradientAccumulator.
+    """The methods SGD, Adam, AdamW and GradientAccumulator share."""
 
-    The open window is ``self._window`` (window.Window), created once and never re-bound.
-    Subclasses name their update (``update_spec``: optim.py's SGDUpdate, AdamUpdate, WrappedUpdate).
-    """
+    # The open window is ``self._window`` (window.Window), created once and never re-bound.
+    # Subclasses name their update (``update_spec``: optim.py's SGDUpdate, AdamUpdate, WrappedUpdate).
 
     # torch.amp.GradScaler.step: hand us grad_scale / found_inf instead of unscaling .grad.
     _step_supports_amp_scaling = True
@@ -348,7 +347,7 @@ class AccumulatingOptimizer:
         scaled, ``scaler.step(opt, weight=)`` and ``scaler.update()`` take the micro-batch.
         Returns the micro-batch's loss, detached (the weighted mean of its parts' when split). What
         is exact per mode, and what a split costs: the out-of-memory recovery guide
-        (docs/guides/oom-recovery.md)."""
+        ([out-of-memory recovery](../guides/oom-recovery.md))."""
         from . import recovery
         self._check_open("run()")
         if weight is not None:

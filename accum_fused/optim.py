@@ -188,7 +188,8 @@ class SGDUpdate(UpdateSpec):
 
 
 class SGD(_Bf16Rounding, AccumulatingOptimizer, torch.optim.SGD):
-    """torch.optim.SGD with gradient accumulation (docs/getting-started.md, docs/concepts.md).
+    """torch.optim.SGD with gradient accumulation ([getting started](../getting-started.md),
+    [concepts](../concepts.md)).
 
     Momentum buffers are fp32 whatever the parameter dtype (torch keeps them in the parameter
     dtype); fp64 parameters keep fp64 state.
@@ -280,7 +281,8 @@ class AdamUpdate(UpdateSpec):
 
 
 class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
-    """torch.optim.Adam with gradient accumulation (docs/getting-started.md, docs/concepts.md).
+    """torch.optim.Adam with gradient accumulation ([getting started](../getting-started.md),
+    [concepts](../concepts.md)).
 
     exp_avg / exp_avg_sq / max_exp_avg_sq are fp32 whatever the parameter dtype (torch keeps
     them in the parameter dtype); fp64 parameters keep fp64 state. ``step`` is a CPU tensor.

@@ -384,6 +384,8 @@ class WindowBatchNorm:
 
     # ----------------------------------------------------------------------- remove
     def remove(self) -> None:
+        """Give the modules their own forward back, drop the open window's statistics and stop
+        listening to the optimizer (idempotent)."""
         for t in self._taken.values():
             t.optimizer = _no_optimizer  # (a compiled graph still calling its record op records nothing)
             if t.module.__dict__.get("forward") == t.forward:
