@@ -1,0 +1,151 @@
+"""The docs' pictures, drawn from what the library does (not by hand):
+
+- ``docs/images/window_timeline.svg``: three windows of a loop in plain mode, mode A and mode B,
+  k=4 over 10 micro-batches of uneven sizes. The script runs each loop with the real optimizer
+  and records, after every call, where the micro-batch's gradient went and where an update was
+  applied (``opt.updated``, ``opt.update_count``); the picture is drawn from those records.
+
+    python docs/make_figures.py    # needs torch, accum_fused and matplotlib (the test extra)
+
+``tests/test_docs_figures.py`` runs the recording part and checks what the picture shows
+against it, so that a change in where a mode takes gradients or updates fails there.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import accum_fused
+
+K = 4
+SIZES = (5, 3, 8, 2, 7, 4, 6, 1, 3, 5)  # micro-batch sizes: 2 full windows and a partial one
+OUT = Path(__file__).resolve().parent / "images"
+
+
+def record(mode: str) -> list[dict]:
+    """Run the loop of ``mode`` ("plain", "mode A", "mode B") and return one event per call:
+    ``{"micro_batch": i or None, "call": ..., "update": bool, "where": ...}``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    loader = [(torch.randn(n, 8), torch.randn(n, 1)) for n in SIZES]
+    loss_fn = nn.functional.mse_loss
+    if mode == "plain":
+        opt = accum_fused.AdamW(model.parameters(), lr=1e-3, accumulation_steps=K)
+    elif mode == "mode A":
+        opt = accum_fused.AdamW(model.parameters(), lr=1e-3, in_backward=True)
+    else:
+        opt = accum_fused.AdamW(model.parameters(), lr=1e-3, in_backward=True, accumulation_steps=K)
+    events = []
+
+    def note(i, call, before):
+        events.append({"micro_batch": i, "call": call, "update": opt.update_count > before,
+                       "grad_held": any(p.grad is not None for p in model.parameters())})
+
+    for i, (x, y) in enumerate(loader):
+        loss = loss_fn(model(x), y)
+        before = opt.update_count
+        if mode == "mode B":
+            opt.backward(loss, weight=len(x))
+            note(i, "opt.backward(loss, weight)", before)
+            continue
+        loss.backward()  # (mode A sums the passes, as .grad would: a loop weights them in its loss)
+        note(i, "loss.backward()", before)
+        if mode == "plain":
+            before = opt.update_count
+            opt.step(weight=len(x))
+            opt.zero_grad()
+            note(i, "opt.step(weight)", before)
+        elif (i + 1) % K == 0:  # mode A: the loop owns the window, as a tutorial loop's step every k
+            before = opt.update_count
+            opt.step()
+            opt.zero_grad()
+            note(None, "opt.step()", before)
+    before = opt.update_count
+    if mode == "mode A":
+        opt.step()  # (the loop's own last, partial window)
+        opt.zero_grad()
+        note(None, "opt.step()", before)
+    else:
+        opt.flush()
+        note(None, "opt.flush()", before)
+    return events
+
+
+def draw(path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    matplotlib.rcParams["svg.hashsalt"] = "accum_fused"  # (the same file from the same records)
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch
+
+    modes = ["plain", "mode A", "mode B"]
+    records = {mode: record(mode) for mode in modes}
+    fig, ax = plt.subplots(figsize=(11, 4.6))
+    n = len(SIZES)
+    slot = 1.0
+    windows = [(0, K), (K, 2 * K), (2 * K, n)]
+    colours = {"pass": "#c9d6e3", "hook": "#f4a261", "step": "#8ecae6", "update": "#e63946"}
+    for row, mode in enumerate(modes):
+        y = len(modes) - 1 - row
+        ax.text(-0.35, y + 0.35, mode, ha="right", va="center", fontsize=11, fontweight="bold")
+        for w, (a, b) in enumerate(windows):  # the windows, shaded
+            ax.add_patch(FancyBboxPatch((a * slot + 0.04, y + 0.02), (b - a) * slot - 0.08, 0.66,
+                                        boxstyle="round,pad=0.0,rounding_size=0.05",
+                                        facecolor="#f5f5f5" if w % 2 else "#ececec", edgecolor="none", zorder=0))
+        x_end = n * slot
+        for at, e in enumerate(records[mode]):
+            i = e["micro_batch"]
+            if i is not None and e["call"] != "opt.step(weight)":
+                x = i * slot
+                # forward + backward; in modes A and B the gradient goes into the window in it
+                ax.add_patch(FancyBboxPatch((x + 0.1, y + 0.12), 0.55, 0.44, boxstyle="round,pad=0.0,rounding_size=0.04",
+                                            facecolor=colours["pass"], edgecolor="#4a5a6a", lw=0.8, zorder=2))
+                ax.text(x + 0.375, y + 0.34, f"{SIZES[i]}", ha="center", va="center", fontsize=8, zorder=3)
+                if mode != "plain":
+                    ax.add_patch(plt.Rectangle((x + 0.52, y + 0.12), 0.13, 0.44, facecolor=colours["hook"],
+                                               edgecolor="none", zorder=3))
+            if e["call"] == "opt.step(weight)":
+                x = i * slot
+                ax.add_patch(plt.Rectangle((x + 0.68, y + 0.2), 0.22, 0.28, facecolor=colours["step"],
+                                           edgecolor="#4a5a6a", lw=0.6, zorder=2))
+                if e["update"]:
+                    ax.plot(x + 0.79, y + 0.62, marker="v", color=colours["update"], ms=9, zorder=4)
+            elif e["update"] and i is not None:  # mode B: the update inside the window's last backward
+                ax.plot(i * slot + 0.585, y + 0.62, marker="v", color=colours["update"], ms=9, zorder=4)
+            elif e["micro_batch"] is None:  # opt.step() in mode A's loop, or flush()
+                last = max(ev["micro_batch"] for ev in records[mode][:at] if ev["micro_batch"] is not None)
+                x = last * slot + 0.72 if e["call"] == "opt.step()" else x_end + 0.1
+                label = "flush()" if e["call"] == "opt.flush()" else "step()"
+                ax.add_patch(plt.Rectangle((x, y + 0.2), 0.22 if label == "step()" else 0.5, 0.28,
+                                           facecolor=colours["step"], edgecolor="#4a5a6a", lw=0.6, zorder=2))
+                if label == "flush()":
+                    ax.text(x + 0.25, y + 0.34, "flush()", ha="center", va="center", fontsize=7, zorder=3)
+                if e["update"]:
+                    ax.plot(x + (0.11 if label == "step()" else 0.25), y + 0.62, marker="v",
+                            color=colours["update"], ms=9, zorder=4)
+    for w, (a, b) in enumerate(windows):
+        ax.text((a + b) / 2 * slot, len(modes) + 0.05, f"window {w + 1}" + (" (partial)" if b - a < K else ""),
+                ha="center", va="bottom", fontsize=10)
+    handles = [plt.Rectangle((0, 0), 1, 1, facecolor=colours["pass"], edgecolor="#4a5a6a"),
+               plt.Rectangle((0, 0), 1, 1, facecolor=colours["hook"]),
+               plt.Rectangle((0, 0), 1, 1, facecolor=colours["step"], edgecolor="#4a5a6a"),
+               plt.Line2D([], [], marker="v", color=colours["update"], ls="none", ms=9)]
+    labels = ["a micro-batch's forward + backward (its size inside)",
+              "in backward: its gradients added into the fp32 window",
+              "step() / flush(): plain mode adds .grad into the window here",
+              "the update (one per window)"]
+    fig.legend(handles, labels, loc="lower center", ncol=2, frameon=False, fontsize=9)
+    ax.set_xlim(-1.4, n * slot + 0.8)
+    ax.set_ylim(-0.1, len(modes) + 0.4)
+    ax.axis("off")
+    fig.subplots_adjust(left=0.02, right=0.99, top=0.95, bottom=0.2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="svg", metadata={"Date": None})
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    draw(OUT / "window_timeline.svg")
+    print(f"wrote {OUT / 'window_timeline.svg'}")
