@@ -4,6 +4,10 @@
   k=4 over 10 micro-batches of uneven sizes. The script runs each loop with the real optimizer
   and records, after every call, where the micro-batch's gradient went and where an update was
   applied (``opt.updated``, ``opt.update_count``); the picture is drawn from those records.
+- ``docs/images/memory_window.svg``: memory over one window, the native loop against plain, mode A
+  and mode B, fp32 and bf16 parameters, from the memory benchmark's measured phases
+  (``MEMORY_RESULTS``: ``benchmarks/bench_memory.py``'s JSON, live tensor bytes at the start,
+  peak and end of every forward, backward and step of the window).
 
     python docs/make_figures.py    # needs torch, accum_fused and matplotlib (the test extra)
 
@@ -22,6 +26,7 @@ import accum_fused
 K = 4
 SIZES = (5, 3, 8, 2, 7, 4, 6, 1, 3, 5)  # micro-batch sizes: 2 full windows and a partial one
 OUT = Path(__file__).resolve().parent / "images"
+MEMORY_RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "memory_cpu_20261127.json"
 
 
 def record(mode: str) -> list[dict]:
@@ -146,6 +151,63 @@ def draw(path: Path) -> None:
     plt.close(fig)
 
 
+def memory_curves(results: dict) -> dict[str, dict[str, tuple[list[float], list[float]]]]:
+    """Per dtype and contender (native, plain, mode A, mode B): the window's live bytes per
+    parameter, three points per phase (its start, peak, end), x in phases."""
+    names = {"native": "native loop", "plain": "plain", "mode_a": "mode A", "mode_b": "mode B"}
+    curves: dict[str, dict] = {}
+    for r in results["results"]:
+        if r["contender"] not in names or r.get("bf16_update") not in (None, "nearest"):
+            continue
+        xs, ys = [], []
+        for i, phase in enumerate(r["phases"]):
+            for dx, key in ((0.0, "start"), (0.5, "peak"), (1.0, "end")):
+                xs.append(i + dx)
+                ys.append(phase[key] / r["n_params"])
+        curves.setdefault(r["dtype"], {})[names[r["contender"]]] = (xs, ys)
+    return curves
+
+
+def draw_memory(path: Path, results_path: Path = MEMORY_RESULTS) -> None:
+    import json
+
+    import matplotlib
+    matplotlib.use("Agg")
+    matplotlib.rcParams["svg.hashsalt"] = "accum_fused"
+    import matplotlib.pyplot as plt
+
+    results = json.loads(results_path.read_text(encoding="utf-8"))
+    curves = memory_curves(results)
+    config = results["config"]
+    styles = {"native loop": ("#222222", "-", 2.2), "plain": ("#1f77b4", "-", 1.4),
+              "mode A": ("#2a9d8f", "--", 1.4), "mode B": ("#e76f51", ":", 1.8)}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
+    for ax, dtype in zip(axes, ("fp32", "bf16")):
+        for name, (xs, ys) in curves[dtype].items():
+            colour, ls, lw = styles[name]
+            ax.plot(xs, ys, color=colour, ls=ls, lw=lw, label=name)
+        phases = next(r for r in results["results"] if r["contender"] == "native" and r["dtype"] == dtype)["phases"]
+        for i, phase in enumerate(phases):
+            if phase["phase"].endswith("forward"):
+                ax.axvspan(i, i + 1, color="#f0f0f0", lw=0, zorder=0)
+        ax.set_title(f"{dtype} parameters", fontsize=11)
+        ax.set_xlabel(f"one window: {config['k']} micro-batches (forward shaded, backward, step)")
+        ax.set_xticks([3 * m + 1.5 for m in range(config["k"])])
+        ax.set_xticklabels([str(m + 1) for m in range(config["k"])])
+        ax.set_ylim(bottom=0)
+        ax.grid(axis="y", color="#dddddd", lw=0.6)
+    axes[0].set_ylabel("live tensor bytes per parameter")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, frameon=False, fontsize=10)
+    fig.suptitle(f"Memory over one window: a {config['layers']}-layer GPT ({results['config']['n_params'] / 1e6:.1f}M "
+                 f"parameters), AdamW, clip {config['max_grad_norm']}, CPU", fontsize=11)
+    fig.subplots_adjust(left=0.07, right=0.99, top=0.86, bottom=0.27, wspace=0.18)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="svg", metadata={"Date": None})
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     draw(OUT / "window_timeline.svg")
-    print(f"wrote {OUT / 'window_timeline.svg'}")
+    draw_memory(OUT / "memory_window.svg")
+    print(f"wrote {OUT / 'window_timeline.svg'} and {OUT / 'memory_window.svg'}")

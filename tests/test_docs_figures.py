@@ -44,3 +44,26 @@ def test_the_picture_is_committed_and_drawn_from_the_records(tmp_path):
     assert committed.is_file() and "<svg" in committed.read_text(encoding="utf-8")[:500]
     make_figures.draw(tmp_path / "window_timeline.svg")
     assert (tmp_path / "window_timeline.svg").stat().st_size > 10_000
+
+
+def test_the_memory_picture_says_what_its_benchmark_measured():
+    """What the memory guide says beside the picture, read from the same JSON it is drawn from."""
+    import json
+    curves = make_figures.memory_curves(json.loads(make_figures.MEMORY_RESULTS.read_text(encoding="utf-8")))
+    fp32, bf16 = curves["fp32"], curves["bf16"]
+    assert set(fp32) == set(bf16) == {"native loop", "plain", "mode A", "mode B"}
+    for name, (_, ys) in fp32.items():  # between windows: parameters and two moments
+        assert abs(ys[0] - 12) < 0.1, (name, ys[0])
+    native_peak = max(fp32["native loop"][1])
+    for name in ("mode A", "mode B"):
+        assert abs(max(fp32[name][1]) - native_peak) < 1e-3 * native_peak
+    assert max(fp32["plain"][1]) > 1.05 * native_peak  # (.grad and the buffer together until step())
+    for name in ("plain", "mode A", "mode B"):  # bf16: fp32 sums and state, on purpose
+        assert abs((bf16[name][1][0] - bf16["native loop"][1][0]) - 8) < 0.1
+
+
+def test_the_memory_picture_is_drawn(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert (ROOT / "docs" / "images" / "memory_window.svg").is_file()
+    make_figures.draw_memory(tmp_path / "memory_window.svg")
+    assert (tmp_path / "memory_window.svg").stat().st_size > 10_000
