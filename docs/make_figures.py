@@ -8,6 +8,9 @@
   and mode B, fp32 and bf16 parameters, from the memory benchmark's measured phases
   (``MEMORY_RESULTS``: ``benchmarks/bench_memory.py``'s JSON, live tensor bytes at the start,
   peak and end of every forward, backward and step of the window).
+- ``docs/images/performance_summary.svg``: a window's time against the native loop's, per mode,
+  on the GPT model end to end and on three host-cost cases, from the benchmarks' JSON
+  (``PERFORMANCE_RESULTS``): each run a dot, the median a bar.
 
     python docs/make_figures.py    # needs torch, accum_fused and matplotlib (the test extra)
 
@@ -26,7 +29,19 @@ import accum_fused
 K = 4
 SIZES = (5, 3, 8, 2, 7, 4, 6, 1, 3, 5)  # micro-batch sizes: 2 full windows and a partial one
 OUT = Path(__file__).resolve().parent / "images"
-MEMORY_RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "memory_cpu_20261127.json"
+_RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+MEMORY_RESULTS = _RESULTS / "memory_cpu_20261127.json"
+# (case, JSON files: one run each, or one file whose per-round ratios are the runs)
+PERFORMANCE_RESULTS = [
+    ("GPT model, 21M parameters, k=8, clip 1.0\n(forward + backward + update)",
+     [_RESULTS / "transformer_cpu_20261127c.json"]),
+    ("its 53 tensors, clip 1.0\n(host work: backward almost free)",
+     sorted(_RESULTS.glob("issue51_update_spec_ab_20261128/sitting*/gpt_clip/after_*.json"))),
+    ("288 LoRA adapters, k=8\n(host work)",
+     sorted(_RESULTS.glob("issue51_update_spec_ab_20261128/sitting*/lora/after_*.json"))),
+    ("5,000 tensors of 4,096, k=4\n(host work)",
+     sorted(_RESULTS.glob("issue51_update_spec_ab_20261128/sitting*/t5000/after_*.json"))),
+]
 
 
 def record(mode: str) -> list[dict]:
@@ -207,7 +222,61 @@ def draw_memory(path: Path, results_path: Path = MEMORY_RESULTS) -> None:
     plt.close(fig)
 
 
+def performance_ratios(cases=PERFORMANCE_RESULTS) -> dict[str, dict[str, list[float]]]:
+    """Per case and mode (plain, mode A, mode B): the window's time / the native loop's, one
+    value per run (bench_hook_cost.py's files) or per round (bench_transformer.py's)."""
+    import json
+    names = {"plain": "plain", "mode_a": "mode A", "mode_b": "mode B"}
+    out: dict[str, dict[str, list[float]]] = {}
+    for case, files in cases:
+        ratios = out.setdefault(case, {name: [] for name in names.values()})
+        for f in files:
+            for r in json.loads(Path(f).read_text(encoding="utf-8"))["results"]:
+                if r["contender"] in names:
+                    values = r.get("ratios_vs_native") or [r["ratio_vs_native"]]
+                    ratios[names[r["contender"]]] += values
+    return out
+
+
+def draw_performance(path: Path) -> None:
+    import statistics
+
+    import matplotlib
+    matplotlib.use("Agg")
+    matplotlib.rcParams["svg.hashsalt"] = "accum_fused"
+    import matplotlib.pyplot as plt
+
+    ratios = performance_ratios()
+    modes = {"plain": "#1f77b4", "mode A": "#2a9d8f", "mode B": "#e76f51"}
+    fig, ax = plt.subplots(figsize=(10, 4.8))
+    cases = list(ratios)
+    for c, case in enumerate(cases):
+        y0 = len(cases) - 1 - c
+        for m, (mode, colour) in enumerate(modes.items()):
+            values = ratios[case][mode]
+            y = y0 + 0.22 * (1 - m)
+            ax.scatter(values, [y] * len(values), s=16, color=colour, alpha=0.55, lw=0, zorder=3)
+            median = statistics.median(values)
+            ax.plot([median, median], [y - 0.09, y + 0.09], color=colour, lw=3, zorder=4,
+                    label=mode if c == 0 else None)
+    ax.axvline(1.0, color="#222222", lw=1.2, zorder=2)
+    ax.text(1.0, len(cases) - 0.45, " the native loop", fontsize=9, va="bottom")
+    ax.set_yticks(range(len(cases)))
+    ax.set_yticklabels(list(reversed(cases)), fontsize=9)
+    ax.set_ylim(-0.5, len(cases) - 0.3)
+    ax.set_xlabel("window time / the native loop's (left of the line: faster)")
+    ax.grid(axis="x", color="#dddddd", lw=0.6)
+    handles = [plt.Line2D([], [], color=colour, lw=3) for colour in modes.values()]
+    fig.legend(handles, [f"{mode} (bar: median; dots: runs)" for mode in modes], loc="lower center", ncol=3,
+               frameon=False, fontsize=9)
+    fig.subplots_adjust(left=0.33, right=0.98, top=0.95, bottom=0.2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="svg", metadata={"Date": None})
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     draw(OUT / "window_timeline.svg")
     draw_memory(OUT / "memory_window.svg")
-    print(f"wrote {OUT / 'window_timeline.svg'} and {OUT / 'memory_window.svg'}")
+    draw_performance(OUT / "performance_summary.svg")
+    print(f"wrote the pictures into {OUT}")

@@ -67,3 +67,25 @@ def test_the_memory_picture_is_drawn(tmp_path):
     assert (ROOT / "docs" / "images" / "memory_window.svg").is_file()
     make_figures.draw_memory(tmp_path / "memory_window.svg")
     assert (tmp_path / "memory_window.svg").stat().st_size > 10_000
+
+
+def test_the_performance_summary_table_is_its_pictures_data():
+    """docs/performance.md's summary table: each cell the median (and range) of the runs the
+    summary picture draws, from the same JSON."""
+    import re
+    import statistics
+    page = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    table = page[page.index("| case | plain | mode A | mode B |"):].split("\n\n", 1)[0].splitlines()[2:]
+    cells = [re.findall(r"(\d\.\d\d) \((\d\.\d\d)–(\d\.\d\d)\)", row) for row in table]
+    ratios = make_figures.performance_ratios()
+    assert len(cells) == len(ratios)
+    for row, values in zip(cells, ratios.values()):
+        expected = [(f"{statistics.median(v):.2f}", f"{min(v):.2f}", f"{max(v):.2f}") for v in values.values()]
+        assert row == expected
+
+
+def test_the_performance_picture_is_drawn(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert (ROOT / "docs" / "images" / "performance_summary.svg").is_file()
+    make_figures.draw_performance(tmp_path / "performance_summary.svg")
+    assert (tmp_path / "performance_summary.svg").stat().st_size > 10_000
