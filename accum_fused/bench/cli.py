@@ -481,16 +481,22 @@ def plot_bench(record: dict, path: Path) -> None:
         ax_bw.set_title(f"{dtype}, clip {'on' if clipped else 'off'}")
         ax_bw.set_ylabel("GB/s (modelled bytes / time)")
         ax_ratio.set_ylabel("window time / native loop (< 1 faster)")
-        ax_ratio.set_xlabel("parameters (o uniform, s cpu33m, ^ gpt2)")
+        ax_ratio.set_xlabel("parameters")
         ax_ratio.set_yscale("log")
         for ax in (ax_bw, ax_ratio):
             ax.set_xscale("log")
             ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    # (below the plots, not over the data: the contenders and k, then what each marker's shapes are)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    shapes = {"uniform": "equal tensors", "cpu33m": "33.6M in 60 tensors", "gpt2": "GPT-2 small's shapes"}
+    present = list(dict.fromkeys(m["shapes"] for m in ms))
+    handles += [plt.Line2D([], [], marker=markers.get(name, "D"), color="black", linestyle="none") for name in present]
+    labels += [shapes.get(name, name) for name in present]
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8, frameon=False)
     device = record["device"]
     fig.suptitle(f"accum_fused window benchmark: {device['name']} ({device['type']}, {device['threads']} threads)",
                  fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04 + 0.025 * ((len(labels) - 1) // 6), 1, 1))
     fig.savefig(path)
     plt.close(fig)
 
