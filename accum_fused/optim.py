@@ -25,6 +25,7 @@ from .base import AccumulatingOptimizer, check_accumulation_steps
 from . import framework_guard as guard
 from .backends.reference import BF16_UPDATES, hash32
 from .layout import kernel_view, like_param, state_dtype
+from .distributed import NOT_GIVEN
 from .update import UpdateSpec, step_count
 
 __all__ = ["SGD", "Adam", "AdamW", "GradientAccumulator"]
@@ -202,7 +203,7 @@ class SGD(_Bf16Rounding, AccumulatingOptimizer, torch.optim.SGD):
                  weight_decay: float | Tensor = 0, nesterov: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None,
                  accumulation_steps: int = 1, max_grad_norm: float | None = None, backend: str = "auto",
-                 process_group=distributed.NOT_GIVEN, in_backward: bool = False, bf16_update: str = "nearest"):
+                 process_group=NOT_GIVEN, in_backward: bool = False, bf16_update: str = "nearest"):
         _check_accumulation_args(accumulation_steps, max_grad_norm, backend, False, differentiable, process_group)
         _check_bf16_update({}, bf16_update)
         torch.optim.SGD.__init__(self, params, lr, momentum, dampening, weight_decay, nesterov, maximize=maximize,
@@ -296,7 +297,7 @@ class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
                  maximize: bool = False, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, decoupled_weight_decay: bool = False,
                  accumulation_steps: int = 1, max_grad_norm: float | None = None, backend: str = "auto",
-                 process_group=distributed.NOT_GIVEN, in_backward: bool = False, bf16_update: str = "nearest"):
+                 process_group=NOT_GIVEN, in_backward: bool = False, bf16_update: str = "nearest"):
         _check_accumulation_args(accumulation_steps, max_grad_norm, backend, capturable, differentiable,
                                  process_group)
         _check_bf16_update({}, bf16_update)
@@ -345,7 +346,7 @@ class AdamW(Adam, torch.optim.AdamW if _ADAM_DECOUPLES else torch.optim.Optimize
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, accumulation_steps: int = 1, max_grad_norm: float | None = None,
-                 backend: str = "auto", process_group=distributed.NOT_GIVEN, in_backward: bool = False, bf16_update: str = "nearest"):
+                 backend: str = "auto", process_group=NOT_GIVEN, in_backward: bool = False, bf16_update: str = "nearest"):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, accumulation_steps=accumulation_steps,
@@ -403,7 +404,7 @@ class GradientAccumulator(AccumulatingOptimizer, torch.optim.Optimizer):
     update_spec = WrappedUpdate()
 
     def __init__(self, optimizer: torch.optim.Optimizer, accumulation_steps: int = 1, *,
-                 max_grad_norm: float | None = None, process_group=distributed.NOT_GIVEN, backend: str = "auto"):
+                 max_grad_norm: float | None = None, process_group=NOT_GIVEN, backend: str = "auto"):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer instance, got {type(optimizer).__name__}")
         if isinstance(optimizer, AccumulatingOptimizer):
