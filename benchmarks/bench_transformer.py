@@ -663,14 +663,15 @@ def plot(results: list[dict], clips: list, title: str, path: Path) -> bool:
         ax.set_xticks(range(len(clips)), [f"max_grad_norm={clip}" for clip in clips])
         ax.set_xlim(-0.5, len(clips) - 0.5)
         ax.set_ylabel(ylabel)
-        if ax.get_legend_handles_labels()[1]:
-            ax.legend(fontsize="small")
-        else:
+        if not ax.get_legend_handles_labels()[1]:
             ax.text(0.5, 0.5, f"(needs the {needs} contender)", ha="center", transform=ax.transAxes)
     axes[0].axhline(1.0, linestyle="--", color="black", linewidth=1)
     axes[1].axhline(0.0, color="black", linewidth=0.5)
+    # (one legend for both panels, below them: not over the bars)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels) or 1, fontsize="small", frameon=False)
     fig.suptitle(title, fontsize="medium")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
