@@ -26,7 +26,7 @@ from . import framework_guard as guard
 from .backends.reference import BF16_UPDATES, hash32
 from .layout import kernel_view, like_param, state_dtype
 from .distributed import NOT_GIVEN
-from .update import UpdateSpec, step_count
+from .update import UpdateSpec, step_count, step_counts
 
 __all__ = ["SGD", "Adam", "AdamW", "GradientAccumulator"]
 
@@ -244,7 +244,7 @@ class AdamUpdate(UpdateSpec):
 
     def call_keys(self, opt, params: list[Tensor]) -> list[int]:
         steps = [opt.state.get(p, {}).get("step") for p in params]
-        known = self.step_counts(opt, params)
+        known = step_counts(steps)  # (read once: the same tensors step_count looks up)
         return [0 if step is None else step_count(step, known) for step in steps]
 
     def fold_count(self, step: Tensor | None, known: dict[int, int]) -> int | None:

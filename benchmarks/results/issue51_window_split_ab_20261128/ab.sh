@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Before (9fb57b9, built at $BEFORE, default /tmp/before) vs after (this checkout), alternating
-# run by run in one sitting. ORDER "before after" (sitting 1) or "after before" (sitting 2).
+# Before (a worktree of an earlier commit, built, at $BEFORE, default /tmp/before: 9fb57b9 for
+# this folder, a8ffb1b for ../issue51_update_spec_ab_20261128) vs after (this checkout),
+# alternating run by run in one sitting. ORDER "before after" (sitting 1) or "after before" (sitting 2).
 #   bash ab.sh OUT_DIR "before after"    # sitting 1: 3 rounds of t5000, 2 of the others
 #   bash ab.sh OUT_DIR "after before" 3  # sitting 2: 3 rounds of each bench_hook_cost case
 set -u
