@@ -76,10 +76,6 @@ class BackwardPass:
         # the norms their additions measured (the window's last micro-batch, clipped), by slot.
         self.taken_slots: set[int] = set()
         self.slot_norms: dict[int, Tensor] = {}
-        # Gradients of this pass that in_backward.py's Python joined (the first one, which arms
-        # the extension, and any it handed back): FastPath.take_records keeps the extension's
-        # lists for the next pass only when this is 1.
-        self.python_joins = 0
 
     def updated(self, fast_path: FastPath | None) -> set[Tensor]:
         """The parameters updated inside their hooks in this pass."""
@@ -140,8 +136,9 @@ def _make_grad_hook(optimizer_ref: weakref.ref) -> Callable[[Tensor], None]:
     return hook
 
 
-# What the extension's hooks (csrc/hooks.cpp) do with a parameter's gradient in a pass.
-_ADD, _OVERWRITE, _ADOPT, _FOLD = 1, 2, 3, 4
+# What the extension's hooks (csrc/hooks.cpp) do with a parameter's gradient in a pass that
+# folds (an explicit arm): fold it into the update, or what its row says.
+_FOLD, _ROW = 4, 5
 
 
 # Tests set it to run a GPU's per-gradient path (by_torch_ops) on CPU parameters.
@@ -166,34 +163,24 @@ def _one_gradient_backend(opt, p: Tensor):
 
 
 class FastPath:
-    """The extension's hooks (csrc/hooks.cpp). At a backward pass's first gradient (which
-    ``take_grad`` takes itself) ``arm`` tells them what each other parameter's gradient is to do
-    in this pass, exactly as ``take_grad`` would: add into its live buffer, overwrite its stale
-    one or become it (the window's first micro-batch), or fold into its update (the last
-    micro-batch, no clipping, no ranks), on the cpp backend; they do it without running Python
-    and hand everything else to ``take_grad``, which stays the spec. What they did is read back
-    (``take_records``) before the pass's records are read or changed."""
+    """The extension's hooks (csrc/hooks.cpp) and their table: one row per hooked parameter (its
+    slot), holding the parameter's route, decided here once per layout epoch (``build_rows``),
+    and the window's state of it (buffer, live, adopted), which every writer keeps true: the
+    extension's takes, ``python_took`` for what ``take_grad`` takes, the window's end
+    (``Window.discard``: HookState.new_window). At a backward pass's first gradient (which
+    ``take_grad`` takes itself) ``arm`` begins the pass: each other parameter's gradient then
+    does what its row says, exactly as ``take_grad`` would (add into its live buffer, overwrite
+    its stale one or become it), or, on a pass that folds (the last micro-batch, no clipping, no
+    ranks, the cpp backend), what the explicit arm says; the extension does it without running
+    Python and hands everything else to ``take_grad``, which stays the spec. What it did is read
+    back (``take_records``) before the pass's records are read or changed."""
 
     def __init__(self, extension) -> None:
         self.state = extension.HookState()
-        self.state.torch_ops_on_cpu = TORCH_OPS_ON_CPU
         self._extension = extension
         self.params: list[Tensor] = []  # by slot
         self.slot_of: dict[Tensor, int] = {}
-        # The window the extension's lists are true to (``_key``), when the last arm folded
-        # nothing: a pass that finds the window so (the middle micro-batches of a window) arms
-        # them again (``rearm``) instead of a Python loop over the parameters. The extension
-        # advances them as each slot takes its gradient (a slot that adopted or wrote its buffer
-        # then adds), so a pass in which nothing else changed the window leaves them true to the
-        # window as it ends (take_records re-keys them).
-        self._armed: tuple | None = None
-        self._armed_pass: Tensor | None = None  # the first parameter of the pass they were armed for
-        # The window the last window-start lists were built for (no buffer live), short of what
-        # only the extension changes (adoptions, live flags): a new window arms them again
-        # (``rearm_start``; the extension drops the buffers adopted since) while the buffers
-        # kept between windows (``Window.caches.buffers_version``) are as they were.
-        self._start_key: tuple | None = None
-        self.built = 0  # lists built by the Python loop over the parameters (tests count them)
+        self.built = 0  # rows built by the Python loop over the parameters (tests count them)
         self._slots_of: tuple | None = None  # (parameters, their slots): slots_of
         self.dict_handles: list[_DictHookHandle] = []  # hooks in a dict of Python hooks (rehook_dropped)
         self._adopted_params: tuple | None = None  # (slots, their parameters, as a set): _params_of_adopted
@@ -214,7 +201,7 @@ class FastPath:
             slot = self.slot_of[p] = len(self.params)
             self.params.append(p)
             self.state.add_slot()
-            self._armed = self._start_key = None  # (the kept lists do not arm the new slot)
+            self.state.epoch = -1  # (the new slot has no row yet: built at the next pass)
         # (Plain tensors only: FSDP2 calls the dict of a sharded DTensor parameter's Python hooks
         # itself, and would not call a hook in the slot.)
         if type(p) in (Tensor, torch.nn.Parameter) and p.is_leaf and not p._post_accumulate_grad_hooks:
@@ -233,73 +220,84 @@ class FastPath:
         self.dict_handles.append(handle)
         return handle
 
+    def build_rows(self, opt, win) -> None:
+        """Every row anew, from the window (a layout epoch the rows are not true to): each
+        parameter's route, decided here and nowhere else (the extension executes it): whether
+        the hooks may take its gradients (a plain tensor, added by the cpp backend's kernel or by
+        torch's ops, by_torch_ops), whether a window's first gradient may become its buffer
+        (the window's may_adopt; fp32 and contiguous, the buffer's layout; the gradient's own
+        test, layout.adoptable, is made per gradient), and kernel or torch's ops; and its
+        window state: buffer, live, adopted."""
+        from .backends import cpp_backend
+        spec = opt.update_spec
+        may_adopt = win.may_adopt
+        eligible, adopt, torch_ops, buffers, live, adopted = [], [], [], [], [], []
+        for p in self.params:
+            by_ops = by_torch_ops(p)
+            eligible.append(_is_plain(p) and (by_ops or spec.backend_for(opt, p) is cpp_backend))
+            adopt.append(may_adopt and p.dtype == torch.float32 and p.is_contiguous())
+            torch_ops.append(by_ops)
+            buffers.append(win.buffers.get(p))
+            live.append(p in win.live)
+            adopted.append(p in win.adopted)
+        self.state.set_rows(eligible, adopt, torch_ops, buffers, live, adopted)
+        self.state.epoch = win.caches.epoch
+        self.built += 1
+
+    def python_took(self, win, p: Tensor, epoch: int) -> None:
+        """``take_grad`` took ``p``'s gradient of this pass (the window was at ``epoch`` before):
+        its row follows the window, and the rows stay true to it where they were."""
+        slot = self.slot_of.get(p)
+        if slot is None:
+            return
+        self.state.python_took(slot, win.buffers.get(p), p in win.live, p in win.adopted)
+        if self.state.epoch == epoch:
+            self.state.epoch = win.caches.epoch
+
     def arm(self, opt, mb: BackwardPass, first: Tensor) -> None:
         win = opt._window
         if mb.closing and win.sync is not None and not win.transaction.active:
             return  # buckets handed to the other ranks as gradients arrive: Python's
+        if self.state.epoch != win.caches.epoch:
+            self.build_rows(opt, win)
+        if mb.fold:
+            if not win.transaction.complete and self._arm_folds_from_kept(opt, mb, first):
+                return
+            self._arm_folds(opt, mb, first)
+            return
+        # (Python's: the first gradient, and those a failed run() pass already added whole)
+        seen = [self.slot_of[p] for p in (first, *win.transaction.complete) if p in self.slot_of]
+        self.state.begin_pass(mb.weight, mb.weight_sum if mb.norms is not None else None, mb.weight_sum, seen)
+
+    def _arm_folds(self, opt, mb: BackwardPass, first: Tensor) -> None:
+        """Arm a pass that folds each parameter's update into its hook, parameter by parameter:
+        what ``_FoldArgs`` finds for each (its group update, state and step count); gradients
+        added by torch's ops go in as their rows say (no update is folded there)."""
         from .backends import cpp_backend
-        fold = _FoldArgs() if mb.fold else None
-        may_adopt = win.may_adopt
-        complete = win.transaction.complete  # (their gradients go to take_grad, which drops them)
-        # What the lists below depend on, short of a loop over the parameters: the parameter taken
-        # first (not armed), which buffers exist and are live (``win.caches.version`` moves with
-        # every buffer allocated, adopted or replaced, with every new window and with the ranks
-        # joined, which end adoption; the live set only grows within a window, so its size
-        # tells). A slot added drops them (``hook``). Complete parameters and folds are not cached.
-        key = self._key(win, first)
-        norm_weight_sum = mb.weight_sum if mb.norms is not None else None
-        window_start = fold is None and not complete and not win.live
-        start_key = self._start_key_of(win, first) if window_start else None
-        self._armed_pass = None
-        if fold is None and not complete and self._rearm(mb, key, start_key, norm_weight_sum):
-            self._armed_pass = first
-            return
-        self._armed = None
-        if fold is not None and not complete and self._arm_folds_from_kept(opt, mb, first):
-            return
-        self.built += 1
+        win = opt._window
+        fold = _FoldArgs()
+        fold.read_step_counts(opt, self.params)
+        complete = win.transaction.complete
         slots, modes, buffers = [], [], []
-        if fold is not None:
-            fold.read_step_counts(opt, self.params)
         for slot, p in enumerate(self.params):
             if p is first or not _is_plain(p) or p in complete:
                 continue
-            torch_ops = by_torch_ops(p)  # (the hooks add its gradient with torch's ops: any backend's)
+            torch_ops = by_torch_ops(p)
             if not torch_ops and opt.update_spec.backend_for(opt, p) is not cpp_backend:
                 continue
-            live = p in win.live
             buf = win.buffers.get(p)
-            if fold is not None and not torch_ops:
-                mode = _FOLD if buf is not None and fold.add(opt, p, overwrite=not live) else None
-            elif live:
-                mode = _ADD
-            elif may_adopt and p.dtype == torch.float32 and p.is_contiguous():
-                mode = _ADOPT
+            if torch_ops:
+                mode = _ROW
             else:
-                mode = None if buf is None else _OVERWRITE  # (no buffer yet: Python allocates it)
+                mode = _FOLD if buf is not None and fold.add(opt, p, overwrite=p not in win.live) else None
             if mode is not None:
                 slots.append(slot)
                 modes.append(mode)
                 buffers.append(buf)
-        if not slots:
-            return
-        fold = fold or _FoldArgs()
-        self.state.arm(mb.weight, norm_weight_sum, mb.weight_sum, slots, modes, buffers, fold.specs, fold.spec_of,
-                       fold.overwrite, *fold.states, window_start=window_start)
-        if not fold.specs and not complete:
-            self._armed = key  # (the extension keeps the lists: rearm)
-            self._armed_pass = first
-            if window_start:
-                self._start_key = start_key
-
-    def _rearm(self, mb: BackwardPass, key: tuple, start_key: tuple | None, norm_weight_sum: float | None) -> bool:
-        """Arm the extension's kept lists, when they are true to the window: the last pass's
-        (``key``), or at a window's start the last window-start lists (``start_key``)."""
-        if self._armed == key:
-            self.state.rearm(mb.weight, norm_weight_sum, mb.weight_sum)
-            return True
-        return (start_key is not None and start_key == self._start_key
-                and self.state.rearm_start(mb.weight, norm_weight_sum, mb.weight_sum))
+                if mode != _FOLD:
+                    fold.skip()
+        self.state.arm(mb.weight, None, mb.weight_sum, slots, modes, buffers, fold.specs, fold.spec_of,
+                       fold.overwrite, *fold.states)
 
     def _arm_folds_from_kept(self, opt, mb: BackwardPass, first: Tensor) -> bool:
         """``arm`` for a pass that folds every parameter's update into its hook, from the
@@ -347,16 +345,8 @@ class FastPath:
                 del values[at]
         n = len(slots)
         self.state.arm(mb.weight, None, mb.weight_sum, slots, [_FOLD] * n, buffers, specs, spec_of, [False] * n,
-                       *states, window_start=False)
+                       *states)
         return True
-
-    @staticmethod
-    def _key(win, first: Tensor) -> tuple:
-        return id(first), win.caches.version, len(win.live)
-
-    @staticmethod
-    def _start_key_of(win, first: Tensor) -> tuple:
-        return id(first), win.caches.buffers_version
 
     def take_records(self, opt, mb: BackwardPass, end: bool = False) -> None:
         """Record in the window and in ``mb`` what the extension did since the last call;
@@ -389,11 +379,6 @@ class FastPath:
             win.mark_written(p)
             if norm is not None:
                 mb.norms[p] = norm
-        if end and self._armed_pass is not None:
-            # A pass whose every other gradient the extension took leaves its lists true to the
-            # window as it is now (the first gradient, Python's, is never in them).
-            self._armed = self._key(win, self._armed_pass) if mb.python_joins == 1 else None
-            self._armed_pass = None
 
     def write_linear(self, p: Tensor, grad_out: Tensor, inp: Tensor | None) -> bool:
         """``p``'s gradient of this pass (accum_fused.nn's fused Linear: grad_out^T @ inp, or
@@ -401,15 +386,6 @@ class FastPath:
         buffer, as armed (HookState.write_linear); False where take_written is to do it."""
         slot = self.slot_of.get(p)
         return slot is not None and self.state.write_linear(slot, p, grad_out, inp)
-
-    def python_wrote(self, p: Tensor, buffer: Tensor, adopted: bool) -> bool:
-        """Python wrote ``p``'s gradient of this pass into ``buffer`` itself (take_written: a
-        fused Linear's GEMM): the extension's hooks take no other gradient of ``p`` in this pass
-        (one through autograd, a penalty on the weight, goes to take_grad as the pass's second:
-        armed to adopt or fold, they would lose the GEMM's), and their lists advance as if they
-        had taken it. True when they stay true to the window."""
-        slot = self.slot_of.get(p)
-        return slot is not None and self.state.python_wrote(slot, buffer, adopted)
 
     def _params_of_adopted(self, slots: list[int]) -> tuple[list[Tensor], set[Tensor]]:
         """The parameters of ``slots`` and their set, kept while the slots are the same (every
@@ -494,6 +470,13 @@ class _FoldArgs:
         for column, t in zip(self.states, tensors):
             column.append(t)
         return True
+
+    def skip(self) -> None:
+        """A parameter of the explicit arm that does not fold: no update, no state."""
+        self.spec_of.append(-1)
+        self.overwrite.append(False)
+        for column in self.states:
+            column.append(None)
 
     def _new_spec(self, key: tuple, scalars: dict) -> None:
         self.index[key] = len(self.specs)
@@ -790,7 +773,6 @@ def settle_failed_pass(opt) -> None:
     mb, win.passes.current = win.passes.current, None
     if opt._fast_path is not None:
         opt._fast_path.take_records(opt, mb, end=True)
-        opt._fast_path._armed = None  # (what the pass left is settled below: the lists are built anew)
     if win.transaction.active:
         # run() (recovery.py): what the pass added, it added whole; its retry skips those.
         win.transaction.complete |= mb.completed
@@ -810,7 +792,7 @@ def settle_failed_pass(opt) -> None:
             f"out; the window was discarded with the {lost} micro-batch(es) it held before, and the next "
             "micro-batch starts a new window", RuntimeWarning, stacklevel=3)
         return
-    win.changed(kept=False)  # (live shrinks: the step table and the extension's arm lists must not trust its size)
+    win.changed()  # (not what the extension's rows hold: built anew)
     for p in mb.started:
         win.live.discard(p)
         if p in win.adopted:
@@ -880,13 +862,22 @@ def _join_pass(opt, p: Tensor) -> tuple[BackwardPass, bool] | None:
             "checkpoint(use_reentrant=False), or set max_grad_norm without ranks"
         )
     mb.seen.add(p)
-    mb.python_joins += 1
     return mb, again
 
 
 def _add(opt, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
-    """``p``'s gradient (a tensor, or a writer from take_written) into the pass's micro-batch."""
+    """``p``'s gradient (a tensor, or a writer from take_written) into the pass's micro-batch;
+    the extension's row of ``p`` follows (FastPath.python_took)."""
     win = opt._window
+    epoch = win.caches.epoch
+    try:
+        _add_to_window(opt, win, p, grad, mb, again)
+    finally:
+        if opt._fast_path is not None:
+            opt._fast_path.python_took(win, p, epoch)
+
+
+def _add_to_window(opt, win, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
     written = not isinstance(grad, Tensor)
     if p not in win.live or not mb.closing:  # (a closing pass conformed the live buffers as it began)
         win.conform(opt, [p], closing=mb.closing)  # (a dtype or device changed since: the buffer follows)
@@ -916,9 +907,6 @@ def _add(opt, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
     norm_weight_sum = mb.weight_sum if wants_norm else None
     if written:
         norm = win.write_one(p, grad, mb.weight, _one_gradient_backend(opt, p), norm_weight_sum)
-        fast = opt._fast_path
-        if fast is not None and fast.python_wrote(p, win.buffers[p], adopted=p in win.adopted):
-            mb.python_joins -= 1  # (the extension's lists know of it: they stay true for the next pass)
     else:
         norm = win.accumulate_one(p, grad, mb.weight, _one_gradient_backend(opt, p), norm_weight_sum)
     mb.completed.add(p)

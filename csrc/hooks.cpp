@@ -3,41 +3,39 @@
 // A backward pass of an in_backward optimizer hands one gradient per parameter to the window.
 // In Python each post-accumulate-grad hook cost 5-10 us (issue 22's profile: ~4 ms of a 120 ms
 // window of 60 tensors, k=8); here the common cases are one C++ call per parameter. in_backward.py
-// stays the spec: at a pass's first gradient (which it takes itself) it arms this state with
-// what each other parameter's gradient is to do in this pass, and the exact arguments:
+// stays the spec. Each slot is the table's row of one hooked parameter (Slot): its route, decided
+// once per layout epoch in Python (may the hooks take it; may a first gradient become its buffer;
+// kernel or torch's ops), and the window's state of it (buffer, live, adopted), which every writer
+// keeps true. At a pass's first gradient (which it takes itself) in_backward.py begins the pass
+// with its scalars; each slot's gradient then does what its row says (mode_of):
 //   ADD        add into its live buffer (with weight; with the window-norm output on a clipped
 //              window's last micro-batch)
+//   ADOPT      become its buffer (no ranks, fp32: the zero-copy first micro-batch; scaled in place
+//              by a weight other than 1) if the gradient allows it, else OVERWRITE a stale buffer
 //   OVERWRITE  overwrite its stale buffer (its first gradient of the window)
-//   ADOPT      become its buffer (fp32, no ranks: the zero-copy first micro-batch; scaled in place
-//              by a weight other than 1) if the gradient allows it, else OVERWRITE when a stale
-//              buffer was given
-//   FOLD       update the parameter with its window (the last micro-batch, no clipping, no
-//              ranks), with the update op and the scalars in_backward.py computed for its group
-// Anything else -- a parameter not armed, a second gradient in one pass, another autograd graph
-// task (a reentrant checkpoint's, a foreign backward), a gradient whose dtype, device, shape or
-// layout does not fit -- goes to the Python hook given as `fallback`. in_backward.py reads what
-// was done here (`drain`) before it reads or changes the pass's records.
+// A pass that folds (the last micro-batch, no clipping, no ranks) is armed with explicit modes
+// instead: FOLD updates the parameter with its window, with the update op and the scalars
+// in_backward.py computed for its group.
+// Anything else -- a parameter without a row that allows it, a second gradient in one pass,
+// another autograd graph task (a reentrant checkpoint's, a foreign backward), a gradient whose
+// dtype, device, shape or layout does not fit -- goes to the Python hook given as `fallback`,
+// which writes what it did back into the row (python_took). in_backward.py reads what was done
+// here (`drain`) before it reads or changes the pass's records.
 //
 //   HookState  one per optimizer; slot i = the i-th hooked parameter
-//     arm(...)   see HookState::arm; the current graph task becomes the armed one
-//     rearm(...)  arm again with the last arm's lists (one that folded nothing) as its pass left
-//                them (a slot that took its gradient is then live: ADD, into the buffer it
-//                adopted or wrote), new scalars
-//     forget()   let go of those lists' buffers
-//     new_window()  the window ended: the lists become the last window-start arm's (`arm`'s
-//                window_start), less the buffers adopted since (the window lets go of them), for
-//                `rearm_start`; adopted gradients are let go of, and the accumulator nodes kept
-//                for TakeBeforeAccumulate
-//     rearm_start(...) -> bool  rearm with those, once per new_window
-//     python_wrote(slot, buffer, adopted) -> bool  in_backward.py wrote the slot's gradient of this
-//                pass into `buffer` itself (accum_fused.nn's fused Linear: the GEMM's output): the
-//                slot takes nothing more in this pass (another gradient of it, through autograd,
-//                goes to Python, which knows it is the pass's second), and the lists advance as
-//                if it had taken this one; true when the slot was in the advancing lists (they
-//                stay true to the window)
+//     set_rows(...)  every row: route and window state (in_backward.FastPath.build_rows)
+//     epoch      the window's layout epoch the rows are true to (Python's to read and set)
+//     begin_pass(weight, norm_weight_sum, weight_sum, seen)  modes from the rows; `seen` slots
+//                are Python's in this pass; the current graph task becomes the armed one
+//     arm(...)   a pass that folds: explicit modes (ROW: the row's), see HookState::arm
+//     new_window()  the window ended: no row is live, adopted buffers are let go of, and the
+//                accumulator nodes kept for TakeBeforeAccumulate
+//     python_took(slot, buffer, live, adopted)  in_backward.py took the slot's gradient of this
+//                pass itself: the row becomes the window's, and the slot takes nothing more in
+//                this pass (another gradient of it goes to Python, which knows it is the second)
 //     write_linear(slot, param, grad_out, input) -> bool  a fused Linear's gradient of `param`
 //                (accum_fused/nn/linear.py), computed straight into the slot's buffer by what
-//                it was armed for: the GEMM grad_out^T @ input (input None: the bias, grad_out
+//                its mode: the GEMM grad_out^T @ input (input None: the bias, grad_out
 //                summed over the rows) adds into the live buffer (ADD, with the norm on a clipped
 //                window's last micro-batch), or overwrites the stale buffer or a fresh one at
 //                the window's first micro-batch (ADOPT / OVERWRITE; recorded as adopted: the
@@ -94,7 +92,8 @@ constexpr const char* kCompiledAutogradMessage =
     "an accum_fused optimizer with in_backward=True takes gradients in hooks that compiled autograd cannot "
     "trace: run this backward with torch._dynamo.config.compiled_autograd = False, or use in_backward=False";
 
-enum Mode : int64_t { kNone = 0, kAdd = 1, kOverwrite = 2, kAdopt = 3, kFold = 4 };
+// kRow: in an explicit arm, what the slot's row says (mode_of).
+enum Mode : int64_t { kNone = 0, kAdd = 1, kOverwrite = 2, kAdopt = 3, kFold = 4, kRow = 5 };
 
 // A parameter's gradient accumulator node (a std::shared_ptr before torch 2.13, a
 // c10::intrusive_ptr since).
@@ -135,22 +134,28 @@ struct FoldSpec {
   }
 };
 
+// A slot is the table's row of one hooked parameter: the window's state of it (its buffer, live,
+// adopted), kept true by every writer (this file's takes; in_backward.py writes its own through,
+// python_took; new_window ends a window), and its route (in_backward.FastPath.build_rows: decided
+// once per layout epoch, in Python, never here). A pass that folds nothing derives each slot's
+// mode from its row (mode_of); one that folds arms explicit modes (arm).
 struct Slot {
+  // The row: its route ...
+  bool eligible = false;   // the hooks may take its gradients (a plain tensor on the cpp backend or torch's ops)
+  bool may_adopt = false;  // a first gradient of a window may become its buffer (zero-copy)
+  bool torch_ops = false;  // its gradients go in through torch's ops, not the kernels (by_torch_ops)
+  // ... and its window state.
+  Tensor buffer;  // undefined: none yet
+  bool live = false;
+  bool adopted = false;  // the buffer is an adopted gradient (or a fresh one the window lets go of as it ends)
+  // An explicit arm's (a pass that folds): its mode and buffer, and for FOLD the parameter's
+  // group update, whether the buffer is stale, its state and step count.
   int64_t mode = kNone;
-  Tensor buffer;  // ADD / OVERWRITE / FOLD: its buffer; ADOPT: a stale buffer or undefined
-  int64_t spec = -1;  // FOLD: the parameter's group update; its state and step count:
-  bool overwrite = false;  // FOLD: the buffer is stale (the window's only gradient is this one)
+  Tensor pass_buffer;
+  int64_t spec = -1;
+  bool overwrite = false;
   Tensor state0, state1, state2, step;  // exp_avg / momentum_buffer, exp_avg_sq, max_exp_avg_sq
   int64_t seen_task = -1;  // the armed graph task this slot was last taken in
-  // What `rearm` arms this slot with: the last non-folding arm's mode and buffer, advanced as
-  // the slot takes its gradient (then it is live: ADD into the buffer it adopted or wrote).
-  int64_t next_mode = kNone;
-  Tensor next_buffer;
-  // Its mode and buffer in the last arm of a window's start (no buffer live), and whether it
-  // adopted a gradient in this window (its start buffer is then gone): new_window's lists.
-  int64_t start_mode = kNone;
-  Tensor start_buffer;
-  bool adopted_in_window = false;
   // The parameter's AccumulateGrad node with this slot's TakeBeforeAccumulate, kept from the
   // slot's first gradient in a window (ExtensionHook) to the window's end (new_window), and the
   // parameter's shape then, which autograd checks every gradient reaching that node against.
@@ -159,7 +164,7 @@ struct Slot {
 
   void disarm() {
     mode = kNone;
-    buffer = Tensor();
+    pass_buffer = Tensor();
     spec = -1;
     overwrite = false;
     state0 = state1 = state2 = step = Tensor();
@@ -180,7 +185,7 @@ struct Taken {
 struct HookState : std::enable_shared_from_this<HookState> {
   // Taken by every method: the extension's hooks run without the GIL (ExtensionHook), on the
   // autograd thread of their parameter's device, while Python may arm or drain from another.
-  // Recursive: arm and rearm call disarm and forget.
+  // Recursive: arm calls begin_pass, which calls disarm.
   using Lock = std::lock_guard<std::recursive_mutex>;
   mutable std::recursive_mutex mu;
   int64_t armed_task = -1;  // the autograd graph task whose pass may be taken here; -1: none
@@ -192,14 +197,8 @@ struct HookState : std::enable_shared_from_this<HookState> {
   Taken taken_now;  // since the last drain
   int64_t taken = 0;
   int64_t taken_before_accumulate = 0;  // of those, by TakeBeforeAccumulate
-  // The last arm's slots when it folded nothing: `rearm` arms them again (in_backward.py's
-  // FastPath reuses a pass's lists for the next pass that finds the window as this pass left
-  // it), with each slot's next_mode and next_buffer.
-  std::vector<int64_t> last_slots;
-  bool advancing = false;  // the armed pass folds nothing: takes advance next_mode / next_buffer
-  bool torch_ops_on_cpu = false;  // accumulate_into: a GPU's path on CPU tensors too (tests)
-  std::vector<int64_t> start_slots;  // the last window-start arm's slots
-  bool start_ready = false;  // new_window set the lists to them and no arm has run since
+  bool explicit_modes = false;  // the armed pass folds: each slot does its armed mode, not its row's
+  int64_t epoch = -1;  // the window's layout epoch the rows are true to (in_backward.FastPath's; -1: none)
   std::vector<int64_t> dropped;  // take_dropped
 
   void note_dropped(int64_t slot) {
@@ -217,21 +216,46 @@ struct HookState : std::enable_shared_from_this<HookState> {
     slots.emplace_back();
   }
 
-  // slots[i] does modes[i] with buffers[i]; for FOLD, also spec_of[i] into specs and the
-  // parameter's state tensors and step count (lists aligned with slots; None elsewhere).
-  void arm(double w, std::optional<double> nws, double wsum, const std::vector<int64_t>& slot_ids,
-           const std::vector<int64_t>& modes, const std::vector<std::optional<Tensor>>& buffers,
-           const std::vector<py::dict>& fold_specs, const std::vector<int64_t>& spec_of,
-           const std::vector<bool>& overwrite, const std::vector<std::optional<Tensor>>& state0,
-           const std::vector<std::optional<Tensor>>& state1, const std::vector<std::optional<Tensor>>& state2,
-           const std::vector<std::optional<Tensor>>& steps, bool window_start) {
+  // The table's rows, all of them (aligned with the slots): the route and the window's state of
+  // each hooked parameter (in_backward.FastPath.build_rows, once per layout epoch).
+  void set_rows(const std::vector<bool>& eligible, const std::vector<bool>& may_adopt,
+                const std::vector<bool>& torch_ops, const std::vector<std::optional<Tensor>>& buffers,
+                const std::vector<bool>& live, const std::vector<bool>& adopted) {
     const Lock lock(mu);
-    const size_t n = slot_ids.size();
-    TORCH_CHECK(modes.size() == n && buffers.size() == n, "arm: lists differ in length");
-    const bool folds = !fold_specs.empty();
-    TORCH_CHECK(!folds || (spec_of.size() == n && overwrite.size() == n && state0.size() == n &&
-                           state1.size() == n && state2.size() == n && steps.size() == n),
-                "arm: fold lists differ in length");
+    const size_t n = slots.size();
+    TORCH_CHECK(eligible.size() == n && may_adopt.size() == n && torch_ops.size() == n && buffers.size() == n &&
+                    live.size() == n && adopted.size() == n,
+                "set_rows: one row per slot");
+    for (size_t i = 0; i < n; ++i) {
+      Slot& s = slots[i];
+      s.eligible = eligible[i];
+      s.may_adopt = may_adopt[i];
+      s.torch_ops = torch_ops[i];
+      s.buffer = buffers[i].value_or(Tensor());
+      s.live = live[i] && s.buffer.defined();
+      s.adopted = adopted[i] && s.buffer.defined();
+    }
+  }
+
+  // What a slot does with its gradient in the armed pass: the explicit arm's mode, or the one
+  // its row gives (as in_backward._add would: add into a live buffer; a window's first gradient
+  // becomes the buffer where it may, else overwrites a stale one; without a buffer, Python's).
+  bool by_row(const Slot& s) const { return !explicit_modes || s.mode == kRow; }
+
+  int64_t mode_of(const Slot& s) const {
+    if (!by_row(s)) return s.mode;
+    if (!s.eligible) return kNone;
+    if (s.live) return kAdd;
+    if (s.may_adopt) return kAdopt;
+    return s.buffer.defined() ? kOverwrite : kNone;
+  }
+
+  const Tensor& buffer_of(const Slot& s) const { return by_row(s) ? s.buffer : s.pass_buffer; }
+
+  // A pass that folds nothing: each slot's mode comes from its row; `seen` (the gradient Python
+  // takes first, parameters whose gradient of this micro-batch is in already) are Python's.
+  void begin_pass(double w, std::optional<double> nws, double wsum, const std::vector<int64_t>& seen) {
+    const Lock lock(mu);
     disarm();
     armed_task = torch::autograd::get_current_graph_task_id();
     if (armed_task < 0) return;  // not inside a backward pass: nothing to take
@@ -239,14 +263,37 @@ struct HookState : std::enable_shared_from_this<HookState> {
     norm_weight_sum = nws;
     weight_sum = wsum;
     specs.clear();
+    for (int64_t i : seen) {
+      TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(slots.size()), "begin_pass: no slot ", i);
+      slots[i].seen_task = armed_task;
+    }
+  }
+
+  // A pass that folds: slots[i] does modes[i] with buffers[i] (kRow: what its row says); for
+  // FOLD, also spec_of[i] into specs and the parameter's state tensors and step count (lists
+  // aligned with slots); every other slot is Python's.
+  void arm(double w, std::optional<double> nws, double wsum, const std::vector<int64_t>& slot_ids,
+           const std::vector<int64_t>& modes, const std::vector<std::optional<Tensor>>& buffers,
+           const std::vector<py::dict>& fold_specs, const std::vector<int64_t>& spec_of,
+           const std::vector<bool>& overwrite, const std::vector<std::optional<Tensor>>& state0,
+           const std::vector<std::optional<Tensor>>& state1, const std::vector<std::optional<Tensor>>& state2,
+           const std::vector<std::optional<Tensor>>& steps) {
+    const Lock lock(mu);
+    const size_t n = slot_ids.size();
+    TORCH_CHECK(modes.size() == n && buffers.size() == n && spec_of.size() == n && overwrite.size() == n &&
+                    state0.size() == n && state1.size() == n && state2.size() == n && steps.size() == n,
+                "arm: lists differ in length");
+    begin_pass(w, nws, wsum, {});
+    if (armed_task < 0) return;
+    explicit_modes = true;
     for (const py::dict& d : fold_specs) specs.push_back(FoldSpec::from(d));
     for (size_t i = 0; i < n; ++i) {
       TORCH_CHECK(slot_ids[i] >= 0 && slot_ids[i] < static_cast<int64_t>(slots.size()), "arm: no slot ", slot_ids[i]);
       Slot& s = slots[slot_ids[i]];
       s.mode = modes[i];
-      s.buffer = buffers[i].value_or(Tensor());
+      s.pass_buffer = buffers[i].value_or(Tensor());
       if (s.mode == kFold) {
-        TORCH_CHECK(folds && spec_of[i] >= 0 && spec_of[i] < static_cast<int64_t>(specs.size()), "arm: no spec");
+        TORCH_CHECK(spec_of[i] >= 0 && spec_of[i] < static_cast<int64_t>(specs.size()), "arm: no spec");
         s.spec = spec_of[i];
         s.overwrite = overwrite[i];
         s.state0 = state0[i].value_or(Tensor());
@@ -256,93 +303,39 @@ struct HookState : std::enable_shared_from_this<HookState> {
       }
     }
     armed = slot_ids;
-    forget();
-    advancing = !folds;
-    if (advancing) {
-      last_slots = slot_ids;
-      for (int64_t i : slot_ids) {
-        slots[i].next_mode = slots[i].mode;
-        slots[i].next_buffer = slots[i].buffer;
-      }
-    }
-    if (advancing && window_start) {
-      for (int64_t i : start_slots) slots[i].start_buffer = Tensor();
-      start_slots = slot_ids;
-      for (int64_t i : slot_ids) {
-        slots[i].start_mode = slots[i].mode;
-        slots[i].start_buffer = slots[i].buffer;
-      }
-    }
   }
 
+  // The window ended: no buffer is live, the adopted ones are let go of (the window drops them),
+  // and so are the accumulator nodes kept for TakeBeforeAccumulate.
   void new_window() {
     std::vector<NodePtr> kept;  // (declared before the lock: the nodes go after it is let go)
     const Lock lock(mu);
-    forget();
-    for (int64_t i : start_slots) {
-      Slot& s = slots[i];
-      s.next_mode = s.start_mode;
-      s.next_buffer = s.adopted_in_window ? Tensor() : s.start_buffer;
-    }
     for (Slot& s : slots) {
-      s.adopted_in_window = false;
+      s.live = false;
+      if (s.adopted) {
+        s.buffer = Tensor();
+        s.adopted = false;
+      }
       if (s.accumulator) kept.push_back(std::move(s.accumulator));
     }
-    last_slots = start_slots;
-    start_ready = !start_slots.empty();
-  }
-
-  bool rearm_start(double w, std::optional<double> nws, double wsum) {
-    const Lock lock(mu);
-    if (!start_ready) return false;
-    rearm(w, nws, wsum);
-    return true;
-  }
-
-  void forget() {
-    const Lock lock(mu);
-    for (int64_t i : last_slots) {
-      slots[i].next_mode = kNone;
-      slots[i].next_buffer = Tensor();
-    }
-    last_slots.clear();
-  }
-
-  // arm() with the last non-folding arm's slots, modes and buffers and new scalars.
-  void rearm(double w, std::optional<double> nws, double wsum) {
-    const Lock lock(mu);
-    disarm();
-    armed_task = torch::autograd::get_current_graph_task_id();
-    if (armed_task < 0) return;
-    weight = w;
-    norm_weight_sum = nws;
-    weight_sum = wsum;
-    specs.clear();
-    for (int64_t i : last_slots) {
-      Slot& s = slots[i];
-      s.mode = s.next_mode;
-      s.buffer = s.next_buffer;
-    }
-    armed = last_slots;
-    advancing = true;
   }
 
   void disarm() {
     const Lock lock(mu);
-    start_ready = false;
     for (int64_t i : armed) slots[i].disarm();
     armed.clear();
     armed_task = -1;
-    advancing = false;
+    explicit_modes = false;
   }
 
   bool write_linear(int64_t slot_id, const Tensor& param, const Tensor& grad_out, const std::optional<Tensor>& input) {
     const Lock lock(mu);
     if (armed_task < 0 || slot_id < 0 || slot_id >= static_cast<int64_t>(slots.size())) return false;
     Slot& s = slots[slot_id];
-    if ((s.mode != kAdd && s.mode != kOverwrite && s.mode != kAdopt) || s.seen_task == armed_task) return false;
+    const int64_t mode = mode_of(s);
+    if ((mode != kAdd && mode != kOverwrite && mode != kAdopt) || s.seen_task == armed_task) return false;
     if (torch::autograd::get_current_graph_task_id() != armed_task) return false;
-    const bool starts = s.mode != kAdd;  // (the window's first gradient of it: no sum yet)
+    const bool starts = mode != kAdd;  // (the window's first gradient of it: no sum yet)
     if (starts && norm_weight_sum.has_value()) return false;  // (no norm record for a start: Python's)
     // fp32 throughout (Python's path widens other operands and runs autocast's dtype)
     const auto fp32_here = [&](const Tensor& t) {
@@ -361,10 +354,10 @@ struct HookState : std::enable_shared_from_this<HookState> {
     } else if (param.dim() != 1) {
       return false;
     }
-    Tensor buf = s.buffer;
+    Tensor buf = buffer_of(s);
     if (buf.defined()) {
       if (!fits(buf, param) || !buf.is_contiguous()) return false;
-    } else if (s.mode == kAdopt) {
+    } else if (mode == kAdopt) {
       buf = at::empty(param.sizes(), param.options().dtype(at::kFloat));
     } else {
       return false;
@@ -383,26 +376,28 @@ struct HookState : std::enable_shared_from_this<HookState> {
           buf.add_(total, weight);
         }
       }
-      if (norm_weight_sum.has_value()) norm = norm_of(buf, *norm_weight_sum);
+      if (norm_weight_sum.has_value()) norm = norm_of(s, buf, *norm_weight_sum);
     }
     // (a start is recorded as an adoption of the buffer it wrote: the window lets go of it)
     record_take(slot_id, starts ? kAdopt : kAdd, starts ? std::optional<Tensor>(buf) : std::nullopt, std::move(norm));
     return true;
   }
 
-  bool python_wrote(int64_t slot_id, const Tensor& buffer, bool adopted) {
+  // in_backward.py took the slot's gradient of this pass itself (the pass's first, one handed
+  // back, a fused Linear's GEMM output): its row becomes the window's (`buffer`, live or not,
+  // adopted or not), and the slot takes nothing more in this pass (a second gradient is
+  // Python's, which knows it is the pass's second).
+  void python_took(int64_t slot_id, const std::optional<Tensor>& buffer, bool live, bool adopted) {
     const Lock lock(mu);
-    TORCH_CHECK(slot_id >= 0 && slot_id < static_cast<int64_t>(slots.size()), "python_wrote: no slot ", slot_id);
+    TORCH_CHECK(slot_id >= 0 && slot_id < static_cast<int64_t>(slots.size()), "python_took: no slot ", slot_id);
     Slot& s = slots[slot_id];
-    if (armed_task < 0 || s.mode == kNone) return false;
-    // (armed to adopt, overwrite, add or fold a gradient that Python has taken instead: a later
-    // one through autograd would replace or fold without the GEMM's)
-    s.mode = kNone;
-    if (!advancing) return false;
-    s.next_mode = kAdd;
-    s.next_buffer = buffer;
-    s.adopted_in_window |= adopted;
-    return true;
+    if (armed_task >= 0) {
+      s.seen_task = armed_task;
+      s.mode = kNone;
+    }
+    s.buffer = buffer.value_or(Tensor());
+    s.live = live && s.buffer.defined();
+    s.adopted = adopted && s.buffer.defined();
   }
 
   py::tuple drain() {
@@ -488,18 +483,19 @@ struct HookState : std::enable_shared_from_this<HookState> {
   bool take_grad(int64_t slot_id, const Tensor& param, const Tensor& grad, bool before_accumulate) {
     if (armed_task < 0 || slot_id >= static_cast<int64_t>(slots.size())) return false;
     Slot& s = slots[slot_id];
-    if (s.mode == kNone || s.seen_task == armed_task || (before_accumulate && s.mode == kAdopt)) return false;
+    const int64_t mode = mode_of(s);
+    if (mode == kNone || s.seen_task == armed_task || (before_accumulate && mode == kAdopt)) return false;
     if (torch::autograd::get_current_graph_task_id() != armed_task) return false;
     if (!kernel_grad(grad) || grad.device() != param.device()) return false;
-    int64_t done = s.mode;
+    int64_t done = mode;
     std::optional<Tensor> norm, adopted;
-    if (s.mode == kAdopt && adoptable(grad, param)) {
+    if (mode == kAdopt && adoptable(grad, param)) {
       adopted = grad;  // (as in_backward._can_adopt: the gradient is autograd's fresh, unshared tensor)
       // A weighted micro-batch's: scaled in place, the copying overwrite's product.
-      if (weight != 1.0) accumulate_into(grad, grad, /*overwrite=*/true, std::nullopt);
+      if (weight != 1.0) accumulate_into(s, grad, grad, /*overwrite=*/true, std::nullopt);
     } else {
-      if (s.mode == kAdopt) done = kOverwrite;
-      const Tensor& buf = s.buffer;
+      if (mode == kAdopt) done = kOverwrite;
+      const Tensor& buf = buffer_of(s);
       if (!buf.defined() || !fits(buf, param) || buf.sizes() != grad.sizes() || !same_memory_layout(grad, buf) ||
           (done == kFold && !fold_fits(s, param))) {
         return false;
@@ -507,7 +503,7 @@ struct HookState : std::enable_shared_from_this<HookState> {
       if (done == kFold) {
         fold(s, param, grad);
       } else {
-        norm = accumulate_into(grad, buf, /*overwrite=*/done == kOverwrite, norm_weight_sum);
+        norm = accumulate_into(s, grad, buf, /*overwrite=*/done == kOverwrite, norm_weight_sum);
       }
     }
     record_take(slot_id, done, std::move(adopted), std::move(norm));
@@ -516,17 +512,17 @@ struct HookState : std::enable_shared_from_this<HookState> {
 
   // One gradient into its buffer with the armed weight (the buffer may be the gradient itself:
   // elementwise, in place), on the gradient's device; ||buf / norm_weight_sum|| as a 0-dim
-  // tensor when asked for. On CPU the extension's kernel (one call, no allocation); on a GPU
-  // torch's own ops, what autograd's AccumulateGrad does with a gradient (`grad +=`): launched on
-  // the current stream, the gradient's, with no table built and uploaded and nothing that waits
-  // for the device, whether or not the extension was built with CUDA. They are the reference
-  // backend's ops (reference.accumulate, window_norms), so what they write is the spec's bit for
-  // bit; the window's close is the backend's one multi-tensor update per group
-  // (in_backward.FastPath.arm folds nothing on a GPU). `torch_ops_on_cpu`: that path on CPU
-  // tensors too, so that the CPU tests run the code a GPU runs.
-  std::optional<Tensor> accumulate_into(const Tensor& grad, const Tensor& buf, bool overwrite,
+  // tensor when asked for. The slot's route says how (in_backward.by_torch_ops, decided once):
+  // the extension's kernel (CPU: one call, no allocation), or torch's own ops, what autograd's
+  // AccumulateGrad does with a gradient on a GPU (`grad +=`): launched on the current stream,
+  // the gradient's, with no table built and uploaded and nothing that waits for the device,
+  // whether or not the extension was built with CUDA. They are the reference backend's ops
+  // (reference.accumulate, window_norms), so what they write is the spec's bit for bit; the
+  // window's close is the backend's one multi-tensor update per group (in_backward.FastPath.arm
+  // folds nothing there).
+  std::optional<Tensor> accumulate_into(const Slot& s, const Tensor& grad, const Tensor& buf, bool overwrite,
                                         std::optional<double> norm_weight_sum) const {
-    if (grad.is_cpu() && !torch_ops_on_cpu) {
+    if (!s.torch_ops) {
       const auto n = accumulate_one_cpu(grad, buf, weight, overwrite, norm_weight_sum);
       return n.has_value() ? std::optional<Tensor>(at::scalar_tensor(*n, at::kFloat)) : std::nullopt;
     }
@@ -550,27 +546,31 @@ struct HookState : std::enable_shared_from_this<HookState> {
       }
     }
     if (!norm_weight_sum.has_value()) return std::nullopt;
-    return norm_of(buf, *norm_weight_sum);
+    return norm_of(s, buf, *norm_weight_sum);
   }
 
-  // ||buf / norm_weight_sum|| as a 0-dim tensor on the buffer's device: the extension's kernel on
-  // CPU, torch's ops (the reference's window_norms) elsewhere, as accumulate_into adds.
-  Tensor norm_of(const Tensor& buf, double norm_weight_sum) const {
-    if (buf.is_cpu() && !torch_ops_on_cpu) return window_norms_op({buf}, norm_weight_sum).select(0, 0);
+  // ||buf / norm_weight_sum|| as a 0-dim tensor on the buffer's device, by the slot's route as
+  // accumulate_into adds.
+  Tensor norm_of(const Slot& s, const Tensor& buf, double norm_weight_sum) const {
+    if (!s.torch_ops) return window_norms_op({buf}, norm_weight_sum).select(0, 0);
     return at::linalg_vector_norm(buf / norm_weight_sum);
   }
 
   // What a slot did with its gradient of the armed pass (`done`; `adopted`: the tensor that
-  // became its buffer), for the lists (advanced: the slot is live, the next pass adds into the
-  // buffer it has) and for drain. Under the lock.
+  // became its buffer), in its row (the buffer is live; an adopted one is its buffer now) and
+  // for drain. Under the lock.
   void record_take(int64_t slot_id, int64_t done, std::optional<Tensor> adopted, std::optional<Tensor> norm) {
     Slot& s = slots[slot_id];
     s.seen_task = armed_task;
-    if (advancing) {
-      s.next_mode = kAdd;
-      if (adopted.has_value()) s.next_buffer = *adopted;
+    if (done != kFold) {
+      if (adopted.has_value()) {
+        s.buffer = *adopted;
+        s.adopted = true;
+      } else if (!by_row(s)) {
+        s.buffer = s.pass_buffer;
+      }
+      s.live = true;
     }
-    s.adopted_in_window |= adopted.has_value();
     ++taken;
     if (done == kAdd && !norm.has_value()) {
       taken_now.added.push_back(slot_id);
@@ -591,9 +591,9 @@ struct HookState : std::enable_shared_from_this<HookState> {
   // The update op's own checks, so that it cannot raise inside backward: the parameter and its
   // state in the buffer's layout (cpp_backend.py re-lays out the rare others; Python does here).
   static bool fold_fits(const Slot& s, const Tensor& param) {
-    if (!kernel_dtype(param.scalar_type()) || !same_memory_layout(param, s.buffer)) return false;
+    if (!kernel_dtype(param.scalar_type()) || !same_memory_layout(param, s.pass_buffer)) return false;
     for (const Tensor* t : {&s.state0, &s.state1, &s.state2}) {
-      if (t->defined() && (!fits(*t, param) || !same_memory_layout(*t, s.buffer))) return false;
+      if (t->defined() && (!fits(*t, param) || !same_memory_layout(*t, s.pass_buffer))) return false;
     }
     return true;
   }
@@ -625,7 +625,7 @@ struct HookState : std::enable_shared_from_this<HookState> {
       count_step(s.step);
       std::vector<Tensor> max_sqs;
       if (f.amsgrad) max_sqs.push_back(s.state2);
-      adam_update_op({param}, {s.buffer}, {s.state0}, {s.state1}, max_sqs, weight_sum, std::nullopt, f.decay_factor,
+      adam_update_op({param}, {s.pass_buffer}, {s.state0}, {s.state1}, max_sqs, weight_sum, std::nullopt, f.decay_factor,
                      f.weight_decay, f.lerp_weight, f.beta2, f.one_minus_beta2, f.bc2_sqrt, f.eps, f.neg_step_size,
                      f.decoupled, f.amsgrad, f.maximize, grads, weight, s.overwrite, std::nullopt);
     } else {
@@ -635,7 +635,7 @@ struct HookState : std::enable_shared_from_this<HookState> {
         momentum.push_back(s.state0);
         first.push_back(false);
       }
-      sgd_update_op({param}, {s.buffer}, momentum, first, weight_sum, std::nullopt, f.neg_lr, f.momentum,
+      sgd_update_op({param}, {s.pass_buffer}, momentum, first, weight_sum, std::nullopt, f.neg_lr, f.momentum,
                     f.one_minus_dampening, f.weight_decay, f.nesterov, f.maximize, grads, weight, s.overwrite,
                     std::nullopt);
     }
@@ -844,18 +844,19 @@ void register_hooks(py::module& m) {
   py::class_<HookState, std::shared_ptr<HookState>>(m, "HookState")
       .def(py::init<>())
       .def("add_slot", &HookState::add_slot)
+      .def("set_rows", &HookState::set_rows, py::arg("eligible"), py::arg("may_adopt"), py::arg("torch_ops"),
+           py::arg("buffers"), py::arg("live"), py::arg("adopted"))
+      .def("begin_pass", &HookState::begin_pass, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"),
+           py::arg("seen"))
       .def("arm", &HookState::arm, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"),
            py::arg("slots"), py::arg("modes"), py::arg("buffers"), py::arg("fold_specs"), py::arg("spec_of"),
-           py::arg("overwrite"), py::arg("state0"), py::arg("state1"), py::arg("state2"), py::arg("steps"),
-           py::arg("window_start"))
-      .def("rearm", &HookState::rearm, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"))
+           py::arg("overwrite"), py::arg("state0"), py::arg("state1"), py::arg("state2"), py::arg("steps"))
       .def("disarm", &HookState::disarm)
-      .def("forget", &HookState::forget)
       .def("new_window", &HookState::new_window)
-      .def("rearm_start", &HookState::rearm_start, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"))
       .def("write_linear", &HookState::write_linear, py::arg("slot"), py::arg("param"), py::arg("grad_out"),
            py::arg("input"))
-      .def("python_wrote", &HookState::python_wrote, py::arg("slot"), py::arg("buffer"), py::arg("adopted"))
+      .def("python_took", &HookState::python_took, py::arg("slot"), py::arg("buffer"), py::arg("live"),
+           py::arg("adopted"))
       .def("drain", &HookState::drain)
       .def("take_dropped", &HookState::take_dropped)
       .def("kept_nodes", &HookState::kept_nodes)
@@ -865,7 +866,7 @@ void register_hooks(py::module& m) {
                                const HookState::Lock lock(s.mu);
                                return s.armed_task >= 0;
                              })
-      .def_readwrite("torch_ops_on_cpu", &HookState::torch_ops_on_cpu)
+      .def_readwrite("epoch", &HookState::epoch)
       .def_readonly("taken", &HookState::taken)
       .def_readonly("taken_before_accumulate", &HookState::taken_before_accumulate);
   py::class_<FastHook>(m, "FastHook")

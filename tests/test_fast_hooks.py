@@ -258,9 +258,9 @@ def test_dtype_changes_between_passes(monkeypatch):
 @pytest.mark.parametrize("mode", ["A", "B"])
 def test_parameters_that_join_passes_at_different_times(monkeypatch, mode):
     """Branches used by some passes only, in a pattern that differs per window: the live set grows
-    at different passes in each window, and the arm lists a pass reuses from the one before it
-    (FastPath._armed) must be those the window's state would give. Bit-equal to Python's hooks,
-    with the extension taking most gradients."""
+    at different passes in each window, and the extension's rows (FastPath, kept true across
+    passes, not rebuilt) must say what the window's state would give. Bit-equal to Python's
+    hooks, with the extension taking most gradients."""
     def run(python_only):
         if python_only:
             _python_hooks_only(monkeypatch)

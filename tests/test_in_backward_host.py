@@ -227,9 +227,9 @@ def test_gradients_python_takes_in_some_passes(monkeypatch, mode):
 
 @pytest.mark.parametrize("mode", ["A", "B"])
 def test_a_param_group_added_is_armed_by_the_kept_lists(monkeypatch, mode):
-    """The extension's kept lists (FastPath's rearm, keyed by the window's mirrors) stop being
-    reused when a parameter is hooked after them: the next passes arm the new group too, and
-    its gradients are the extension's, not the Python hook's, from then on."""
+    """The extension's rows (FastPath, true to the window's layout epoch) are built anew when a
+    parameter is hooked after them: the next passes take the new group too, and its gradients
+    are the extension's, not the Python hook's, from then on."""
     if built_without_extension():
         pytest.skip("the extension's hooks")
     model = Net()

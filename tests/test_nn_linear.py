@@ -363,9 +363,9 @@ def test_a_fused_weight_with_another_gradient_through_autograd(mode, clip):
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
 def test_fused_writes_keep_the_hooks_lists(clip):
     """The fused layers' gradients are written by the extension's hooks (or, Python's, told to
-    them: HookState.python_wrote), so a pass of a fused model rearms their lists instead of a
-    Python loop over the parameters, window after window (before: every pass rebuilt them), and
-    the result is the unfused path's."""
+    them: HookState.python_took), so the extension's rows stay true to the window instead of a
+    Python loop over the parameters building them, window after window (before: every pass
+    rebuilt them), and the result is the unfused path's."""
     (fused, fused_builds), (unfused, unfused_builds) = _fused_against_unfused(
         "B", clip, lambda model, x: model(x).square().mean(), windows=5)
     _close(fused, unfused, rtol=1e-5)

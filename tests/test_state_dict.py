@@ -356,10 +356,10 @@ def test_a_window_pickled_with_flat_records_loads_into_them():
 
     win = Window()
     win.transaction.parts_left, win.transaction.part_serial, win.passes.owned = 2, 5, True
-    win.caches.version = 7
+    win.caches.epoch = 7
     copied = pickle.loads(pickle.dumps(win))
     assert (copied.transaction.parts_left, copied.transaction.part_serial, copied.passes.owned) == (2, 5, True)
-    assert copied.caches.version == 0 and copied.caches.step_table is None
+    assert copied.caches.epoch == 0 and copied.caches.step_table is None
 
     flat = {k: v for k, v in Window().__dict__.items() if k not in ("passes", "transaction", "caches")}
     flat.update(parts_left=1, complete=set(), transaction=True, part_serial=3, closings=4, backward_pass=None,
@@ -369,8 +369,8 @@ def test_a_window_pickled_with_flat_records_loads_into_them():
     old.__setstate__(flat)
     assert (old.transaction.parts_left, old.transaction.active, old.transaction.part_serial,
             old.transaction.closings, old.passes.owned) == (1, True, 3, 4, True)
-    assert old.caches.version == 0 and not old.caches.table_blocked
-    assert not {"parts_left", "transaction_active", "version", "backward_owned"} & set(vars(old))
+    assert old.caches.epoch == 0 and not old.caches.table_blocked
+    assert not {"parts_left", "transaction_active", "version", "buffers_version", "backward_owned"} & set(vars(old))
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])

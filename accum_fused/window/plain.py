@@ -111,8 +111,6 @@ def gave_buffers(win, table: StepTable, given: list[int], buffers: list[Tensor],
     win.buffers.update(zip(params, buffers))
     if adopted:
         win.adopted.update(params[:adopted])
-    if adopted < len(params):
-        win.caches.buffers_version += 1  # (a buffer kept between windows; the table mirrors it: no version)
     table.buffered.update(params)
 
 
@@ -152,6 +150,6 @@ def accumulate(win, pairs, weight: float, grad_scale: Tensor | None, opt,
             norms.update(zip([p for p, _ in items], call_norms.unbind()))
     win.live.update(p for p, _ in pairs)
     table = win.caches.step_table
-    if table is not None and table.version == win.caches.version:
+    if table is not None and table.epoch == win.caches.epoch:
         table.cpp.mark_live([p for p, _ in pairs])
     return norms

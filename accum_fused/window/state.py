@@ -102,26 +102,28 @@ _FLAT_FIELDS = {"backward_pass": ("passes", "current"), "own_backward": ("passes
                 "part_serial": ("transaction", "part_serial"), "closings": ("transaction", "closings")}
 
 
-class Mirrors:
-    """The fast paths' copies of the window and what keeps them true (never pickled: rebuilt).
-    ``step_table``: plain mode's micro-batches in one extension call (table.StepTable, which
-    mirrors ``buffers`` and ``live`` for every parameter); ``version`` is bumped by every change
-    to them it does not mirror (Window.changed), which makes it stale; ``table_blocked``: it was
-    built, or could not take a micro-batch, in this window (at most one build per window).
-    ``buffers_version``: bumped with ``version`` where buffers kept between windows change
-    (allocated, replaced, dropped, loaded), not by adoptions, live flags or the buffers a window
-    lets go of (in_backward.FastPath's window-start lists are true to it). ``update_plan``: the
-    update's per-parameter lists, kept between closes while they stand (table.UpdatePlan).
-    ``hook_state``: in_backward's extension hooks (csrc/hooks.cpp's HookState), whose lists for
-    the next pass hold buffers of the window (adopted gradients): let go of when it is emptied."""
+# The mirrors' keys before the one epoch (dropped: a loaded window's tables are built anew).
+_OLD_MIRRORS = ("version", "buffers_version")
 
-    __slots__ = ("step_table", "table_blocked", "version", "buffers_version", "update_plan", "hook_state")
+
+class Mirrors:
+    """The fast paths' tables of the window and what keeps them true (never pickled: rebuilt).
+    ``epoch``: the window's layout epoch, bumped by every change to ``buffers``, ``live`` or
+    ``adopted`` that the fast paths' tables are not told of (Window.changed): a table built at
+    another epoch is stale. Plain mode's ``step_table`` (table.StepTable, every parameter's
+    buffer and live flag) and the in-backward modes' ``hook_state`` (csrc/hooks.cpp's HookState,
+    whose slots are the rows of the hooked parameters; in_backward.FastPath) each keep the epoch
+    they are true to, and follow what they are told of (the takes they make, mark_live,
+    python_took, the window's end). ``table_blocked``: the step table was built, or could not
+    take a micro-batch, in this window (at most one build per window). ``update_plan``: the
+    update's per-parameter lists, kept between closes while they stand (table.UpdatePlan)."""
+
+    __slots__ = ("step_table", "table_blocked", "epoch", "update_plan", "hook_state")
 
     def __init__(self) -> None:
         self.step_table: StepTable | None = None
         self.table_blocked = False
-        self.version = 0
-        self.buffers_version = 0
+        self.epoch = 0
         self.update_plan: UpdatePlan | None = None
         self.hook_state = None
 
@@ -178,7 +180,7 @@ class Window:
         # recovery and the step table, not at all).
         if not isinstance(state.get("transaction", Transaction()), Transaction):
             state["active"] = state.pop("transaction")
-        flat = {name: state.pop(name) for name in (*_FLAT_FIELDS, *Mirrors.__slots__) if name in state}
+        flat = {name: state.pop(name) for name in (*_FLAT_FIELDS, *Mirrors.__slots__, *_OLD_MIRRORS) if name in state}
         self.__dict__.update(passes=PassRecords(), transaction=Transaction(), caches=Mirrors())
         self.__dict__.update(state)
         for name, value in flat.items():
@@ -186,11 +188,10 @@ class Window:
             if record is not None:
                 setattr(getattr(self, record), field, value)
 
-    def changed(self, kept: bool = True) -> None:
-        """``buffers`` or ``live`` changed in a way the step table does not mirror: it is stale.
-        ``kept``: a buffer kept between windows changed (not only adopted ones or live flags)."""
-        self.caches.version += 1
-        self.caches.buffers_version += kept
+    def changed(self) -> None:
+        """``buffers``, ``live`` or ``adopted`` changed in a way the fast paths' tables are not
+        told of: a new layout epoch, in which they are built anew."""
+        self.caches.epoch += 1
 
     def last_part(self) -> bool:
         """Whether the micro-batch being added ends with this part (see ``parts_left``)."""
@@ -220,13 +221,12 @@ class Window:
         return self.sync is not None or self.shards is not None
 
     # ------------------------------------------------------------------ taking gradients in
-    def buffer(self, p: Tensor, kept: bool = True) -> Tensor:
-        """``p``'s buffer, allocated when it has none (``kept``: it stays between windows; else
-        the window lets go of it as it ends)."""
+    def buffer(self, p: Tensor) -> Tensor:
+        """``p``'s buffer, allocated when it has none."""
         buf = self.buffers.get(p)
         if buf is None:
             buf = self.buffers[p] = torch.empty_like(p, dtype=state_dtype(p), memory_format=torch.preserve_format)
-            self.changed(kept=kept)
+            self.changed()
         return buf
 
     def enter_weight(self, weight: float) -> float:
@@ -333,7 +333,7 @@ class Window:
         ``p`` straight into its buffer (overwriting a stale one). With ``norm_weight_sum``,
         returns ||acc / norm_weight_sum|| (``backend``'s norm pass over the buffer)."""
         overwrite = p not in self.live
-        buf = self.buffer(p, kept=self.sync is not None)  # (without ranks, let go of as the window closes: below)
+        buf = self.buffer(p)  # (without ranks, let go of as the window closes: below)
         writer.write(buf, weight, overwrite=overwrite)
         if overwrite and self.sync is None:
             self.adopted.add(p)  # let go when the window closes, as an adopted gradient is
@@ -360,20 +360,18 @@ class Window:
 
     def adopt(self, p: Tensor, grad: Tensor) -> None:
         """Zero-copy first micro-batch: autograd's fresh gradient becomes ``p``'s buffer (a
-        stale buffer it had is dropped: a kept buffer changed)."""
-        kept = p in self.buffers
+        stale buffer it had is dropped)."""
         self.adopt_many([p], [grad])
-        self.caches.buffers_version += kept
 
     def adopt_many(self, params: list[Tensor], grads: list[Tensor], param_set: set[Tensor] | None = None) -> None:
-        """``adopt`` for each of ``params`` (the extension's hooks adopted them in one pass; it
-        knows which stale buffers they replace). ``param_set``: the same parameters as a set,
-        whose hashes the set updates reuse."""
+        """``adopt`` for each of ``params`` (the extension's hooks adopted them in one pass).
+        ``param_set``: the same parameters as a set, whose hashes the set updates reuse. Only
+        in_backward's hooks adopt, and they keep the extension's rows true themselves (the
+        extension adopted them, or in_backward's python_took writes its row): no new epoch."""
         self.buffers.update(zip(params, grads))
         keys = params if param_set is None else param_set
         self.adopted.update(keys)
         self.live.update(keys)
-        self.changed(kept=False)
 
     def conform_live(self, opt) -> None:
         """``conform`` of every live parameter before the window closes: where every parameter
@@ -418,22 +416,23 @@ class Window:
 
     def discard(self) -> None:
         """Empty the window (counters of past updates stay). Buffers kept between windows stay
-        allocated, stale; adopted ones (autograd's gradients, fresh loaded ones) are let go of."""
-        table = self.caches.step_table
-        # (while the table is current, the window's adopted buffers are the ones it gave)
-        current = table is not None and table.version == self.caches.version
-        # A new window: what was cached from this one's live set (in_backward.FastPath's arm lists)
-        # does not carry over. The step table follows (no live flag, no adopted buffer), unless it
-        # was stale already.
-        self.changed(kept=False)
-        if current and self.adopted:
+        allocated, stale; adopted ones (autograd's gradients, fresh loaded ones) are let go of.
+        A table true to the window follows (no live flag, no adopted buffer) into the new epoch."""
+        table, hooks = self.caches.step_table, self.caches.hook_state
+        epoch = self.caches.epoch
+        table_current = table is not None and table.epoch == epoch
+        rows_current = hooks is not None and hooks.epoch == epoch
+        self.changed()
+        if table_current and self.adopted:
             table.cpp.drop_adopted()
             if len(self.adopted) == len(table.buffered):
                 table.buffered = set()
             else:
                 table.buffered.difference_update(self.adopted)
-        if self.caches.hook_state is not None:
-            self.caches.hook_state.new_window()
+        if hooks is not None:
+            hooks.new_window()
+            if rows_current:
+                hooks.epoch = self.caches.epoch
         if len(self.adopted) == len(self.buffers) and self.sync is None:
             self.buffers.clear()  # (every buffer was adopted: no deletion per parameter)
         else:
@@ -443,8 +442,8 @@ class Window:
         self.live.clear()
         if table is not None:
             table.cpp.reset_live()
-            if current:
-                table.version = self.caches.version
+            if table_current:
+                table.epoch = self.caches.epoch
         self.caches.table_blocked = False
         self.late_weights.clear()
         self.grads_held = False

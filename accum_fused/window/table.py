@@ -37,15 +37,15 @@ class StepTable:
     """The extension's table of plain mode's micro-batches (csrc/step_table.cpp: every
     parameter of the optimizer in order, its buffer, whether it is live), with what the window
     needs back: the parameters by index, the set of those with buffers, the device, and the
-    window's ``version`` it is true to."""
+    window's layout ``epoch`` it is true to (Mirrors)."""
 
-    def __init__(self, cpp, params: list[Tensor], buffered: set, device: torch.device, version: int) -> None:
-        self.cpp, self.params, self.buffered, self.device, self.version = cpp, params, buffered, device, version
+    def __init__(self, cpp, params: list[Tensor], buffered: set, device: torch.device, epoch: int) -> None:
+        self.cpp, self.params, self.buffered, self.device, self.epoch = cpp, params, buffered, device, epoch
         self.state_conformed = False  # conform_state ran since it was built (what moves state makes it stale)
 
     def current(self, win) -> bool:
         """Whether the table is true to ``win``'s buffers and live set."""
-        return self.version == win.caches.version and self.cpp.live_count == len(win.live)
+        return self.epoch == win.caches.epoch
 
     @staticmethod
     def build(opt, win: Window) -> StepTable | None:
@@ -76,7 +76,7 @@ class StepTable:
         adopted = [p in win.adopted for p in params]
         # (DDP's buffers are views of its flat buckets: not to be replaced by gradients)
         table = cpp.StepTable(params, buffers, live, adopted, may_adopt=win.may_adopt)
-        return StepTable(table, params, {p for p, buf in zip(params, buffers) if buf is not None}, device, win.caches.version)
+        return StepTable(table, params, {p for p, buf in zip(params, buffers) if buf is not None}, device, win.caches.epoch)
 
     def closing_plan(self, opt, win: Window, present: int) -> UpdatePlan | None:
         """How the window's closing micro-batch and the update run with no Python loop over the
