@@ -222,21 +222,15 @@ class FastPath:
 
     def build_rows(self, opt, win) -> None:
         """Every row anew, from the window (a layout epoch the rows are not true to): each
-        parameter's route, decided here and nowhere else (the extension executes it): whether
-        the hooks may take its gradients (a plain tensor, added by the cpp backend's kernel or by
-        torch's ops, by_torch_ops), whether a window's first gradient may become its buffer
-        (the window's may_adopt; fp32 and contiguous, the buffer's layout; the gradient's own
-        test, layout.adoptable, is made per gradient), and kernel or torch's ops; and its
-        window state: buffer, live, adopted."""
-        from .backends import cpp_backend
-        spec = opt.update_spec
-        may_adopt = win.may_adopt
+        parameter's route (window.table.route, with by_torch_ops: decided there, executed by
+        the extension) and its window state (buffer, live, adopted)."""
+        from .window import route
         eligible, adopt, torch_ops, buffers, live, adopted = [], [], [], [], [], []
         for p in self.params:
-            by_ops = by_torch_ops(p)
-            eligible.append(_is_plain(p) and (by_ops or spec.backend_for(opt, p) is cpp_backend))
-            adopt.append(may_adopt and p.dtype == torch.float32 and p.is_contiguous())
-            torch_ops.append(by_ops)
+            routed = route(opt, win, p, by_torch_ops(p))
+            eligible.append(routed.takes)
+            adopt.append(routed.adopts)
+            torch_ops.append(routed.torch_ops)
             buffers.append(win.buffers.get(p))
             live.append(p in win.live)
             adopted.append(p in win.adopted)
@@ -273,20 +267,20 @@ class FastPath:
         """Arm a pass that folds each parameter's update into its hook, parameter by parameter:
         what ``_FoldArgs`` finds for each (its group update, state and step count); gradients
         added by torch's ops go in as their rows say (no update is folded there)."""
-        from .backends import cpp_backend
+        from .window import route
         win = opt._window
         fold = _FoldArgs()
         fold.read_step_counts(opt, self.params)
         complete = win.transaction.complete
         slots, modes, buffers = [], [], []
         for slot, p in enumerate(self.params):
-            if p is first or not _is_plain(p) or p in complete:
+            if p is first or p in complete:
                 continue
-            torch_ops = by_torch_ops(p)
-            if not torch_ops and opt.update_spec.backend_for(opt, p) is not cpp_backend:
-                continue
+            routed = route(opt, win, p, by_torch_ops(p))
             buf = win.buffers.get(p)
-            if torch_ops:
+            if not routed.takes:
+                mode = None
+            elif routed.torch_ops:
                 mode = _ROW
             else:
                 mode = _FOLD if buf is not None and fold.add(opt, p, overwrite=p not in win.live) else None
@@ -533,16 +527,12 @@ class _DictHookHandle:
         return p if hooks is not None and self._handle.id not in hooks else None
 
 
-def _is_plain(p: Tensor) -> bool:
-    return kernel_view(p) is p  # not a DTensor, not complex
-
-
 def install(opt) -> None:
     """Hooks on every parameter of ``opt`` (construction); ``add_param_group`` adds more."""
     opt._unhooked = []
     opt._fast_path = FastPath.for_optimizer(opt)
     if opt._fast_path is not None:
-        opt._window.caches.hook_state = opt._fast_path.state  # (let go of its lists when a window ends)
+        opt._window.caches.hook_state = opt._fast_path.state  # (its rows follow the window as it ends)
     register_hooks(opt, opt.update_spec.params(opt))
     # Hooks hold the optimizer weakly; when it is collected they go with it (close() earlier).
     opt._releases.append(weakref.finalize(opt, remove_hooks, opt._hook_handles))

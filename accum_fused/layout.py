@@ -44,6 +44,12 @@ def fits(t: Tensor, param: Tensor) -> bool:
     return t.dtype == state_dtype(param) and t.device == param.device and t.shape == param.shape
 
 
+def adopts(param: Tensor) -> bool:
+    """The parameter's side of ``adoptable``, known before any gradient arrives (the fast paths'
+    routes, window.table.route): its buffer would be of its own dtype (fp32, fp64) and layout."""
+    return param.dtype == state_dtype(param) and param.is_contiguous()
+
+
 def adoptable(grad: Tensor, param: Tensor) -> bool:
     """Whether a window's first gradient of ``param`` can become its buffer itself (zero-copy):
     of the buffer's dtype and device, contiguous as its parameter, and no view (a view may be

@@ -24,7 +24,9 @@
 //
 //   StepTable(params, buffers, live, adopted, may_adopt)
 //                                          params: the optimizer's, in order; adopted: buffers
-//                                          that are adopted gradients (let go of as windows end)
+//                                          that are adopted gradients (let go of as windows end);
+//                                          may_adopt: each one's route (window.table.route: a
+//                                          first gradient may become its buffer)
 //     check(param_lists) -> n              gradients present; -1: not the table's to take
 //     take(weight, grad_scale, clear, norm_weight_sum=None)
 //         -> (newly live indices, norms or None, indices given a buffer, those buffers, how many
@@ -65,17 +67,18 @@ struct StepTable {
   std::vector<std::vector<int64_t>> param_shapes;
   std::vector<char> live;
   std::vector<char> adopted;  // buffers[i] is an adopted gradient: let go of when the window ends
-  bool may_adopt;             // (not where the buffers are views of one flat storage: DDP's)
+  // Its route, decided in Python (window.table.route): a first gradient may become its buffer
+  // (not where the buffers are views of one flat storage, DDP's; fp32, contiguous).
+  std::vector<char> may_adopt;
   std::unordered_map<const c10::TensorImpl*, int64_t> index_of;
   std::vector<int64_t> present;  // filled by check: indices with a gradient
   std::vector<Tensor> grads;     // and those gradients
   int64_t live_count = 0;
 
   StepTable(const py::list& param_objects, const std::vector<std::optional<Tensor>>& bufs,
-            const std::vector<bool>& live_now, const std::vector<bool>& adopted_now, bool adopt)
-      : may_adopt(adopt) {
+            const std::vector<bool>& live_now, const std::vector<bool>& adopted_now, const std::vector<bool>& adopt) {
     const size_t n = param_objects.size();
-    TORCH_CHECK(bufs.size() == n && live_now.size() == n && adopted_now.size() == n,
+    TORCH_CHECK(bufs.size() == n && live_now.size() == n && adopted_now.size() == n && adopt.size() == n,
                 "StepTable: lists differ in length");
     objects.reserve(n);
     params.reserve(n);
@@ -93,6 +96,7 @@ struct StepTable {
       live.push_back(live_now[i] ? 1 : 0);
       live_count += live_now[i];
       adopted.push_back(adopted_now[i] && buffers.back().defined() ? 1 : 0);
+      may_adopt.push_back(adopt[i] ? 1 : 0);
     }
   }
 
@@ -127,7 +131,7 @@ struct StepTable {
   }
 
   // Whether the gradient at position k of the last check can become its parameter's buffer, as
-  // in_backward._can_adopt takes one: fp32 (the buffer's dtype), any weight (take scales a
+  // in_backward._can_adopt takes one: where its route says it may, any weight (take scales a
   // weighted one in place), no scale to undo,
   // plain-mode micro-batches (clear: .grad is freed, so only the buffer holds it), and nothing
   // else holding the tensor or its memory -- the parameter's .grad and this table's check are
@@ -137,7 +141,7 @@ struct StepTable {
   bool can_adopt(size_t k, bool scaled, bool clear) const {
     const Tensor& g = grads[k];
     const Tensor& p = params[present[k]];
-    return may_adopt && clear && !scaled && p.scalar_type() == at::kFloat && adoptable(g, p) &&
+    return may_adopt[present[k]] && clear && !scaled && adoptable(g, p) &&
            !g.requires_grad() && only_held_here(g) && memory_held_only_by(g);
   }
 
@@ -364,7 +368,7 @@ struct StepTable {
 void register_step_table(py::module& m) {
   py::class_<StepTable>(m, "StepTable")
       .def(py::init<const py::list&, const std::vector<std::optional<Tensor>>&, const std::vector<bool>&,
-                    const std::vector<bool>&, bool>(),
+                    const std::vector<bool>&, const std::vector<bool>&>(),
            py::arg("params"), py::arg("buffers"), py::arg("live"), py::arg("adopted"), py::arg("may_adopt"))
       .def("check", &StepTable::check, py::arg("param_lists"))
       .def("take", &StepTable::take, py::arg("weight"), py::arg("grad_scale"), py::arg("clear"),

@@ -80,3 +80,15 @@ def test_kernel_grad_takes_the_kernel_dtypes_with_readable_memory():
     assert not rules.kernel_grad(torch._neg_view(g))
     assert not rules.kernel_grad(torch.ones(3).to_sparse())
     assert layout.readable_grad(torch._neg_view(g)).is_neg() is False
+
+
+@pytest.mark.parametrize("param_id,param", list(_params()))
+def test_adopts_is_the_parameters_side_of_adoptable(param_id, param):
+    """The fast paths' routes (window.table.route) ask layout.adopts once per layout epoch,
+    before any gradient arrives: it must say yes exactly where a gradient as autograd makes it
+    (the parameter's dtype and shape, contiguous, fresh) is adoptable, and where it says no, no
+    gradient may be."""
+    fresh = torch.zeros(param.shape, dtype=param.dtype)
+    assert layout.adopts(param) == layout.adoptable(fresh, param), param_id
+    if not layout.adopts(param):
+        assert not any(layout.adoptable(g, param) for (dtype, _, _), g in _others() if dtype == param.dtype), param_id

@@ -12,14 +12,14 @@ add_micro_batch (plain mode's Python path) is the spec they are tested against.
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .. import backends
 from ..backends._kernel_args import device_scalar
-from ..layout import ELEMENTWISE_STATE, conform_state, fits, kernel_view
+from ..layout import ELEMENTWISE_STATE, adopts, conform_state, fits, kernel_view
 from .close import clip_for
 
 if TYPE_CHECKING:
@@ -31,6 +31,27 @@ def conform_optimizer_state(opt, params: list[Tensor]) -> None:
     update spec (the state follows its parameter, or the error names it)."""
     spec = opt.update_spec
     conform_state(opt.state, params, lambda p: spec.name(opt, p), spec.state_dtype)
+
+
+class Route(NamedTuple):
+    """What the fast paths (the step table, the extension's hooks) do with one parameter's
+    gradients, decided by ``route`` once per layout epoch and executed, not decided again, by
+    csrc/step_table.cpp and csrc/hooks.cpp: whether they may take them at all (``takes``),
+    whether a window's first one may become the buffer (``adopts``; the gradient's own side,
+    layout.adoptable, is asked of each), and whether they go in by torch's ops rather than the
+    kernels (``torch_ops``)."""
+
+    takes: bool
+    adopts: bool
+    torch_ops: bool
+
+
+def route(opt, win: Window, p: Tensor, torch_ops: bool = False) -> Route:
+    """``p``'s route (see Route). ``torch_ops``: its gradients go in by torch's ops, whatever
+    the backend (in_backward.by_torch_ops: on a GPU); else the cpp backend's kernels must be
+    its backend. Either way only a plain tensor (no DTensor, no complex view)."""
+    takes = kernel_view(p) is p and (torch_ops or opt.update_spec.backend_for(opt, p) is backends._load("cpp"))
+    return Route(takes, takes and win.may_adopt and adopts(p), torch_ops)
 
 
 class StepTable:
@@ -60,10 +81,12 @@ class StepTable:
         if cpp is None or not params or any(group.get("fused") for group in opt.param_groups):
             return None
         device = params[0].device
-        buffers = []
+        buffers, may_adopt = [], []
         for p in params:
-            if p.device != device or kernel_view(p) is not p or spec.backend_for(opt, p) is not cpp:
+            routed = route(opt, win, p)
+            if p.device != device or not routed.takes:
                 return None
+            may_adopt.append(routed.adopts)
             buf = win.buffers.get(p)
             if buf is not None and not fits(buf, p):
                 if p in win.live or win.sync is not None:
@@ -75,7 +98,7 @@ class StepTable:
         live = [p in win.live for p in params]
         adopted = [p in win.adopted for p in params]
         # (DDP's buffers are views of its flat buckets: not to be replaced by gradients)
-        table = cpp.StepTable(params, buffers, live, adopted, may_adopt=win.may_adopt)
+        table = cpp.StepTable(params, buffers, live, adopted, may_adopt=may_adopt)
         return StepTable(table, params, {p for p, buf in zip(params, buffers) if buf is not None}, device, win.caches.epoch)
 
     def closing_plan(self, opt, win: Window, present: int) -> UpdatePlan | None:
