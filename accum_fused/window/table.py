@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .. import backends
 from ..backends._kernel_args import device_scalar
-from ..layout import ELEMENTWISE_STATE, adopts, conform_state, fits, kernel_view
+from ..layout import ELEMENTWISE_STATE, KERNEL_DTYPES, adopts, conform_state, fits, kernel_view
 from .close import clip_for
 
 if TYPE_CHECKING:
@@ -49,8 +49,10 @@ class Route(NamedTuple):
 def route(opt, win: Window, p: Tensor, torch_ops: bool = False) -> Route:
     """``p``'s route (see Route). ``torch_ops``: its gradients go in by torch's ops, whatever
     the backend (in_backward.by_torch_ops: on a GPU); else the cpp backend's kernels must be
-    its backend. Either way only a plain tensor (no DTensor, no complex view)."""
-    takes = kernel_view(p) is p and (torch_ops or opt.update_spec.backend_for(opt, p) is backends._load("cpp"))
+    its backend. Either way only a plain tensor (no DTensor, no complex view) of a dtype the
+    extension takes (its per-gradient checks, kernel_grad, refuse the others)."""
+    takes = (kernel_view(p) is p and p.dtype in KERNEL_DTYPES
+             and (torch_ops or opt.update_spec.backend_for(opt, p) is backends._load("cpp")))
     return Route(takes, takes and win.may_adopt and adopts(p), torch_ops)
 
 
