@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -140,13 +141,12 @@ class AccumulatingOptimizer:
             process_group = None
         self.process_group = process_group
         self.in_backward = in_backward
-        self._hook_handles: list = []
+        self._hooks: hooks.Hooks | None = None  # in_backward's state (in_backward.Hooks)
         # What close() undoes early and collection undoes anyway (weakref.finalize objects): the
         # in-backward hooks, DDP's own sync turned off (ddp.py).
         self._releases: list = []
         self._closed = False
         self._backends = {}  # (backend name, device, dtype) -> backend module (_backend_for)
-        self._fast_path = None  # in_backward's extension hooks (in_backward.FastPath)
         self._window_listeners = WindowListeners()  # told when a window ends (accum_fused.nn.window_batchnorm)
         name, params = type(self).__name__, self._all_params()
         mesh = self._check_params(params)
@@ -160,7 +160,9 @@ class AccumulatingOptimizer:
         if mesh is None:  # replicas: a DistributedDataParallel model is enough (ddp.py)
             ddp.attach(self, params)
         if in_backward:
-            hooks.install(self)
+            self._hooks = hooks.install(self, self._window, weakref.WeakMethod(self._run_step_hooks))
+            # (its hooks hold it weakly; when the optimizer is collected they go with it, close() earlier)
+            self._releases.append(weakref.finalize(self, hooks.remove_hooks, self._hooks.handles))
 
     # ----------------------------------------------------------------------------- params
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -177,7 +179,7 @@ class AccumulatingOptimizer:
             if self._window.sync is not None:
                 self._window.sync.add_params(self.param_groups[-1]["params"], state_dtype)
             if self.in_backward:
-                hooks.register_hooks(self, self.param_groups[-1]["params"])
+                hooks.register_hooks(self._hooks, self.param_groups[-1]["params"])
 
     def _add_group(self, param_group) -> None:
         super().add_param_group(param_group)
@@ -260,8 +262,8 @@ class AccumulatingOptimizer:
                 raise ValueError("this micro-batch's weight was given to backward(loss, weight=...): call step() "
                                  "without weight=")
         if self.in_backward:
-            hooks.check_step(self, 1.0 if weight is None else weight)
-            hooks.rehook_dropped(self, take=False)  # (a gradient a dropped hook left in .grad: collected below)
+            hooks.check_step(self._hooks, 1.0 if weight is None else weight)
+            hooks.rehook_dropped(self._hooks, take=False)  # (a gradient a dropped hook left in .grad: collected below)
         if win.shards is not None and getattr(self, "found_inf", None) is not None:
             raise RuntimeError(
                 f"{type(self).__name__} with FSDP2 parameters cannot be driven by torch.amp.GradScaler: GradScaler "
@@ -313,7 +315,7 @@ class AccumulatingOptimizer:
         empty."""
         win = self._window
         self._check_open("flush()")
-        hooks.check_not_in_backward(self, "flush()")
+        hooks.check_not_in_backward(self._hooks, "flush()")
         if self.in_backward and self.accumulation_steps == 1:
             win.weight_sum = 1.0 if win.live else 0.0  # mode A: a sum (see window.plain.add_micro_batch)
         if not (win.micro_step > 0 or win.spans_ranks):
@@ -407,7 +409,7 @@ class AccumulatingOptimizer:
         if win.shards is not None and weight != 1.0:
             loss = loss * weight  # before FSDP2's reduce-scatter averages the ranks' gradients
         if self.in_backward:
-            hooks.backward(self, loss, weight, backward_kwargs)
+            hooks.backward(self._hooks, loss, weight, backward_kwargs)
             return
         if win.backward_done:
             raise RuntimeError(f"{type(self).__name__}.backward() was called twice without step() in between: "
@@ -421,7 +423,7 @@ class AccumulatingOptimizer:
         super().zero_grad(set_to_none)
         if (getattr(self, "in_backward", False) and self.accumulation_steps == 1
                 and not called_from_torch_checkpoint("_init_optim_state")):  # clearing its own zero grads
-            hooks.check_not_in_backward(self, "zero_grad()")
+            hooks.check_not_in_backward(self._hooks, "zero_grad()")
             self._window.abandon(self)
 
     def close(self) -> None:
@@ -435,7 +437,7 @@ class AccumulatingOptimizer:
         self._releases.clear()
         ddp.window_closed(self, closing_optimizer=True)
         if self.in_backward:
-            hooks.close(self)
+            hooks.close(self._hooks)
         self._closed = True
 
     def _check_open(self, what: str) -> None:
@@ -462,7 +464,7 @@ class AccumulatingOptimizer:
         buffers (by parameter index, as in ``"state"``), counters and GradScaler flag. With
         FSDP2 parameters the window is carried inside "state" and "param_groups" instead."""
         guard.check_wrapped(self)
-        hooks.settle_if_failed(self)
+        hooks.settle_if_failed(self._hooks)
         return checkpoint.state_dict(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

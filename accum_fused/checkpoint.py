@@ -27,7 +27,7 @@ from .window import window_listeners
 
 # What deepcopy / pickle keep besides torch's defaults / state / param_groups.
 ACCUMULATION_ATTRS = ("accumulation_steps", "max_grad_norm", "backend", "_window", "process_group",
-                      "in_backward", "_hook_handles", "_closed")
+                      "in_backward", "_hooks", "_closed")
 
 
 def called_from_torch_checkpoint(function: str) -> bool:
@@ -106,11 +106,10 @@ def restore_defaults(attrs: dict[str, Any]) -> None:
     """Attributes an optimizer pickled by an older version lacks."""
     attrs.setdefault("process_group", None)
     attrs.setdefault("in_backward", False)
-    attrs.setdefault("_hook_handles", [])
+    attrs.setdefault("_hooks", None)  # (an in_backward optimizer is never pickled)
     attrs.setdefault("_releases", [])  # a copy owns no hooks or DDP module
     attrs.setdefault("_closed", False)
     attrs.setdefault("_backends", {})  # a cache, rebuilt on use
-    attrs.setdefault("_fast_path", None)
     attrs.setdefault("_window_listeners", [])  # a copy carries none (window.window_listeners types it)
 
 

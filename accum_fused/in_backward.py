@@ -20,7 +20,10 @@ whether a parameter is live, and keeps its own records on the window (``pending_
 weight opt.backward gives its pass; ``passes``, window.PassRecords). The update math of a
 folded parameter is the optimizer's update spec's ``update``.
 
-Each hook holds its optimizer weakly: when the optimizer is collected, its hooks go with it.
+Its state of one optimizer is a ``Hooks`` record, which the optimizer holds (base.py) and hands
+to the functions here; they reach the optimizer through it only for its public surface and its
+update spec (never a private attribute), and its window as ``hooks.window``. Each hook holds the
+record weakly, and the record its optimizer: when the optimizer is collected, its hooks go with it.
 """
 from __future__ import annotations
 
@@ -96,43 +99,43 @@ class _EndPass:
     custom Function's backward) finishes while the outer node still runs: the micro-batch then
     goes on until the outer backward is done (one backward call = one micro-batch)."""
 
-    def __init__(self, opt):
-        self.opt_ref = weakref.ref(opt)
+    def __init__(self, hooks: Hooks):
+        self.hooks_ref = weakref.ref(hooks)
 
     def __call__(self) -> None:
-        opt = self.opt_ref()
-        if opt is None or opt._window.passes.current is None:
+        hooks = self.hooks_ref()
+        if hooks is None or hooks.optimizer() is None or hooks.window.passes.current is None:
             return
         outer = torch._C._current_autograd_node()
         if outer is None:
-            end_pass(opt)
+            end_pass(hooks)
             return
-        mb = opt._window.passes.current
+        mb = hooks.window.passes.current
 
         def outer_done(grad_inputs, grad_outputs):
             handle.remove()
-            mb.ender = _queue_end(opt)
+            mb.ender = _queue_end(hooks)
 
         handle = outer.register_hook(outer_done)
         mb.ender = weakref.ref(outer_done)
 
 
-def _queue_end(opt) -> weakref.ref:
-    ender = _EndPass(opt)
+def _queue_end(hooks: Hooks) -> weakref.ref:
+    ender = _EndPass(hooks)
     torch.autograd.Variable._execution_engine.queue_callback(ender)
     return weakref.ref(ender)
 
 
-def _make_grad_hook(optimizer_ref: weakref.ref) -> Callable[[Tensor], None]:
+def _make_grad_hook(hooks_ref: weakref.ref) -> Callable[[Tensor], None]:
     def hook(param: Tensor) -> None:
-        optimizer = optimizer_ref()
-        if optimizer is None:
+        hooks = hooks_ref()
+        if hooks is None or hooks.optimizer() is None:
             return
         if torch.is_grad_enabled():  # backward(create_graph=True): the window's writes join no graph
             with torch.no_grad():
-                take_grad(optimizer, param)
+                take_grad(hooks, param)
         else:  # (autograd runs hooks with grad mode off; a no_grad context costs ~1-5 us per call)
-            take_grad(optimizer, param)
+            take_grad(hooks, param)
     return hook
 
 
@@ -248,28 +251,28 @@ class FastPath:
         if self.state.epoch == epoch:
             self.state.epoch = win.caches.epoch
 
-    def arm(self, opt, mb: BackwardPass, first: Tensor) -> None:
-        win = opt._window
+    def arm(self, hooks: Hooks, mb: BackwardPass, first: Tensor) -> None:
+        opt, win = hooks.optimizer(), hooks.window
         if mb.closing and win.sync is not None and not win.transaction.active:
             return  # buckets handed to the other ranks as gradients arrive: Python's
         if self.state.epoch != win.caches.epoch:
             self.build_rows(opt, win)
         if mb.fold:
-            if not win.transaction.complete and self._arm_folds_from_kept(opt, mb, first):
+            if not win.transaction.complete and self._arm_folds_from_kept(opt, win, mb, first):
                 return
-            self._arm_folds(opt, mb, first)
+            self._arm_folds(hooks, mb, first)
             return
         # (Python's: the first gradient, and those a failed run() pass already added whole)
         seen = [self.slot_of[p] for p in (first, *win.transaction.complete) if p in self.slot_of]
         self.state.begin_pass(mb.weight, mb.weight_sum if mb.norms is not None else None, mb.weight_sum, seen)
 
-    def _arm_folds(self, opt, mb: BackwardPass, first: Tensor) -> None:
+    def _arm_folds(self, hooks: Hooks, mb: BackwardPass, first: Tensor) -> None:
         """Arm a pass that folds each parameter's update into its hook, parameter by parameter:
         what ``_FoldArgs`` finds for each (its group update, state and step count); gradients
         added by torch's ops go in as their rows say (no update is folded there)."""
         from .window import route
-        win = opt._window
-        fold = _FoldArgs()
+        opt, win = hooks.optimizer(), hooks.window
+        fold = _FoldArgs(hooks.group_of)
         fold.read_step_counts(opt, self.params)
         complete = win.transaction.complete
         slots, modes, buffers = [], [], []
@@ -293,7 +296,7 @@ class FastPath:
         self.state.arm(mb.weight, None, mb.weight_sum, slots, modes, buffers, fold.specs, fold.spec_of,
                        fold.overwrite, *fold.states)
 
-    def _arm_folds_from_kept(self, opt, mb: BackwardPass, first: Tensor) -> bool:
+    def _arm_folds_from_kept(self, opt, win, mb: BackwardPass, first: Tensor) -> bool:
         """``arm`` for a pass that folds every parameter's update into its hook, from the
         update's kept lists (window.UpdatePlan: every parameter live, the state standing) with
         no Python loop over the parameters: what ``_FoldArgs`` would find for each, where each
@@ -301,7 +304,6 @@ class FastPath:
         the loop must do it."""
         from .backends import cpp_backend
         from .window import UpdatePlan
-        win = opt._window
         spec = opt.update_spec
         # (built here once every parameter has state: a first update creates it in Python, and
         # reading Adam's lists would create it first)
@@ -342,7 +344,7 @@ class FastPath:
                        *states)
         return True
 
-    def take_records(self, opt, mb: BackwardPass, end: bool = False) -> None:
+    def take_records(self, win, mb: BackwardPass, end: bool = False) -> None:
         """Record in the window and in ``mb`` what the extension did since the last call;
         ``end``: the pass is over (ended or failed), disarm. The common records (additions, with
         or without a norm, and adoptions) come as lists: set and dict updates, no Python loop."""
@@ -359,7 +361,6 @@ class FastPath:
         if folded:
             mb.taken_slots.update(folded)
             mb.done_slots.update(folded)
-        win = opt._window
         if adopted:  # (the window's first micro-batch: autograd's gradients become the buffers)
             params, param_set = self._params_of_adopted(adopted)
             mb.taken_slots.update(adopted)
@@ -416,7 +417,8 @@ class _FoldArgs:
     (the scalars cpp_backend computes from what the update spec's ``update`` hands the same op) and which
     state."""
 
-    def __init__(self) -> None:
+    def __init__(self, group_of: dict) -> None:
+        self.group_of = group_of  # each parameter's param group (Hooks.group_of)
         self.specs: list[dict] = []
         self.index: dict[tuple, int] = {}
         self.spec_of: list[int] = []
@@ -437,7 +439,7 @@ class _FoldArgs:
         if not spec.has_lists:
             return False
         state = opt.state.get(p) or {}  # (SGD without momentum keeps none)
-        group = opt._group_of[p]
+        group = self.group_of[p]
         if not _folds_in_extension(p, group):
             return False
         hyper = self.hyperparameters.get(id(group))
@@ -527,33 +529,57 @@ class _DictHookHandle:
         return p if hooks is not None and self._handle.id not in hooks else None
 
 
-def install(opt) -> None:
-    """Hooks on every parameter of ``opt`` (construction); ``add_param_group`` adds more."""
-    opt._unhooked = []
-    opt._fast_path = FastPath.for_optimizer(opt)
-    if opt._fast_path is not None:
-        opt._window.caches.hook_state = opt._fast_path.state  # (its rows follow the window as it ends)
-    register_hooks(opt, opt.update_spec.params(opt))
-    # Hooks hold the optimizer weakly; when it is collected they go with it (close() earlier).
-    opt._releases.append(weakref.finalize(opt, remove_hooks, opt._hook_handles))
+class Hooks:
+    """in_backward's state of one optimizer (``install`` makes it; the optimizer holds it, and
+    hands it to the functions here): the optimizer itself (weakly: each hook holds this record
+    weakly in turn), its window, torch's step hooks to run around an update inside backward
+    (base.py's, weakly), the extension's hooks and their table (``fast_path``; None without the
+    extension), the handles of the hooks on the parameters, the parameters not hooked yet
+    (frozen), each parameter's param group, and whether a dropped hook was warned about."""
+
+    def __init__(self, opt, window, run_step_hooks: weakref.WeakMethod) -> None:
+        self.optimizer = weakref.ref(opt)
+        self.window = window
+        self._run_step_hooks = run_step_hooks
+        self.fast_path = FastPath.for_optimizer(opt)
+        self.handles: list = []
+        self.unhooked: list[Tensor] = []
+        self.group_of: dict = {}
+        self.warned_dropped = False
+
+    def run_step_hooks(self, post: bool) -> None:
+        """torch's step pre- or post-hooks, around mode B's update inside backward."""
+        self._run_step_hooks()(post=post)
 
 
-def register_hooks(opt, params) -> None:
+def install(opt, window, run_step_hooks: weakref.WeakMethod) -> Hooks:
+    """Hooks on every parameter of ``opt`` (construction); ``add_param_group`` adds more. The
+    hooks go when ``remove_hooks(hooks.handles)`` runs: ``close()``, or the optimizer's
+    collection (base.py's finalizer)."""
+    hooks = Hooks(opt, window, run_step_hooks)
+    if hooks.fast_path is not None:
+        window.caches.hook_state = hooks.fast_path.state  # (its rows follow the window as it ends)
+    register_hooks(hooks, opt.update_spec.params(opt))
+    return hooks
+
+
+def register_hooks(hooks: Hooks, params) -> None:
     """A post-accumulate-grad hook on each of ``params`` that requires grad; the others are
     hooked when a backward pass finds them unfrozen (``_hook_unfrozen``)."""
     params = list(params)
+    opt = hooks.optimizer()
     claim(opt, params)
-    hook = _make_grad_hook(weakref.ref(opt))
-    fast = opt._fast_path
+    hook = _make_grad_hook(weakref.ref(hooks))
+    fast = hooks.fast_path
     for p in params:
         if p.requires_grad:
-            opt._hook_handles.append(_DictHookHandle(p, hook) if fast is None else fast.hook(p, hook))
+            hooks.handles.append(_DictHookHandle(p, hook) if fast is None else fast.hook(p, hook))
         else:
-            opt._unhooked.append(p)
-    opt._group_of = {p: group for group in opt.param_groups for p in group["params"]}
+            hooks.unhooked.append(p)
+    hooks.group_of = {p: group for group in opt.param_groups for p in group["params"]}
 
 
-def rehook_dropped(opt, take: bool) -> None:
+def rehook_dropped(hooks: Hooks, take: bool) -> None:
     """Parameters whose hook something took off since the last look: setting
     ``p._post_accumulate_grad_hooks`` to a new dict (directly, or by registering a hook after
     setting it to None) replaces torch's dict of Python hooks and the parameter's hook slot,
@@ -563,9 +589,9 @@ def rehook_dropped(opt, take: bool) -> None:
     unfrozen during the pass; mode A's step() collects ``.grad`` itself. The extension reports
     its dropped hooks (no scan); hooks in a dict are looked up there, one by one (parameters
     that had Python hooks first, DTensors, and every parameter without the extension)."""
-    fast = opt._fast_path
+    fast = hooks.fast_path
     dropped = [] if fast is None else [fast.params[slot] for slot in fast.state.take_dropped()]
-    for handle in opt._hook_handles if fast is None else fast.dict_handles:
+    for handle in hooks.handles if fast is None else fast.dict_handles:
         p = handle.dropped()
         if p is not None:
             dropped.append(p)
@@ -573,12 +599,13 @@ def rehook_dropped(opt, take: bool) -> None:
         return
     dropped = list(dict.fromkeys(dropped))
     gone = set(dropped)
-    # In place: weakref.finalize (install) and a FastPath hold these lists.
-    opt._hook_handles[:] = [h for h in opt._hook_handles if h.param() not in gone]
+    # In place: base.py's finalizer and a FastPath hold these lists.
+    hooks.handles[:] = [h for h in hooks.handles if h.param() not in gone]
     if fast is not None:
         fast.dict_handles[:] = [h for h in fast.dict_handles if h.param() not in gone]
-    if not getattr(opt, "_warned_dropped_hook", False):
-        opt._warned_dropped_hook = True
+    if not hooks.warned_dropped:
+        hooks.warned_dropped = True
+        opt = hooks.optimizer()
         warnings.warn(
             f"the post-accumulate-grad hooks of {opt.update_spec.name(opt, dropped[0])} were replaced (something set its "
             f"_post_accumulate_grad_hooks) after {type(opt).__name__}(in_backward=True) hooked it, which removed "
@@ -587,10 +614,10 @@ def rehook_dropped(opt, take: bool) -> None:
             "returned. (Warned once per optimizer.)",
             stacklevel=2,
         )
-    register_hooks(opt, dropped)
+    register_hooks(hooks, dropped)
     if take:
         for p in dropped:
-            take_grad(opt, p)
+            take_grad(hooks, p)
 
 
 def claim(opt, params) -> None:
@@ -643,13 +670,13 @@ def _refuse_foreign_step(optimizer, args, kwargs) -> None:
     _checked[optimizer] = (_claims, len(params))
 
 
-def close(opt) -> None:
+def close(hooks: Hooks) -> None:
     """opt.close(): hooks off, parameters free for another optimizer."""
-    remove_hooks(opt._hook_handles)
-    if opt._fast_path is not None:
-        opt._fast_path.state.disarm()
-    release_claims(opt)
-    opt._unhooked = []
+    remove_hooks(hooks.handles)
+    if hooks.fast_path is not None:
+        hooks.fast_path.state.disarm()
+    release_claims(hooks.optimizer())
+    hooks.unhooked = []
 
 
 def remove_hooks(handles: list) -> None:
@@ -658,8 +685,9 @@ def remove_hooks(handles: list) -> None:
     handles.clear()
 
 
-def check_step(opt, weight: float) -> None:
+def check_step(hooks: Hooks, weight: float) -> None:
     """What step() may mean with in_backward: apply mode A's summed window, nothing else."""
+    opt = hooks.optimizer()
     if getattr(opt, "found_inf", None) is not None or getattr(opt, "grad_scale", None) is not None:
         raise RuntimeError(
             f"{type(opt).__name__}(in_backward=True) cannot be driven by torch.amp.GradScaler: GradScaler "
@@ -677,35 +705,38 @@ def check_step(opt, weight: float) -> None:
             "step(weight=...) has no meaning with in_backward=True and accumulation_steps=1: the gradients "
             "were summed during backward, as autograd sums .grad; scale the loss instead"
         )
-    check_not_in_backward(opt, "step()")
+    check_not_in_backward(hooks, "step()")
 
 
-def check_not_in_backward(opt, what: str) -> None:
+def check_not_in_backward(hooks: Hooks | None, what: str) -> None:
     """Refuse ``what`` inside a backward pass; a pass left open by a backward that failed is
-    settled first (``settle_failed_pass``), so a failure never leaves the optimizer stuck."""
-    settle_if_failed(opt)
-    if opt._window.passes.current is not None:
+    settled first (``settle_failed_pass``), so a failure never leaves the optimizer stuck.
+    ``hooks`` None: the optimizer takes no gradients inside backward."""
+    if hooks is None:
+        return
+    settle_if_failed(hooks)
+    if hooks.window.passes.current is not None:
         raise RuntimeError(f"{what} was called inside a backward pass; call it after backward returns")
 
 
-def settle_if_failed(opt) -> None:
-    mb = opt._window.passes.current
+def settle_if_failed(hooks: Hooks | None) -> None:
+    mb = None if hooks is None else hooks.window.passes.current
     if mb is not None and mb.failed():
-        settle_failed_pass(opt)
+        settle_failed_pass(hooks)
 
 
-def backward(opt, loss: Tensor, weight: float, backward_kwargs: dict) -> None:
+def backward(hooks: Hooks, loss: Tensor, weight: float, backward_kwargs: dict) -> None:
     """opt.backward(loss, weight=) with in_backward: one backward pass as one micro-batch of
     ``weight`` (mode B; the window's last applies the update) or summed into mode A's window.
     In mode B, once opt.backward is used only its passes are micro-batches (another backward
     reaching the parameters leaves .grad as torch would); a pass that raises is settled at
     once (``settle_failed_pass``)."""
-    win = opt._window
+    opt, win = hooks.optimizer(), hooks.window
     if opt.accumulation_steps == 1 and weight != 1.0:
         raise ValueError("with in_backward=True and accumulation_steps=1 the backward passes are summed: "
                          "weight must be 1 (scale the loss instead), or set accumulation_steps")
-    check_not_in_backward(opt, "opt.backward()")
-    check_resized(opt)
+    check_not_in_backward(hooks, "opt.backward()")
+    check_resized(hooks)
     win.pending_weight = weight
     win.passes.own = True
     win.passes.owned |= opt.accumulation_steps > 1
@@ -715,11 +746,11 @@ def backward(opt, loss: Tensor, weight: float, backward_kwargs: dict) -> None:
             # No parameter of this optimizer received a gradient (FSDP2 may hold them back
             # for a later backward): still one micro-batch.
             win.hold_grads()
-            begin_pass(opt)
-            end_pass(opt)
+            begin_pass(hooks)
+            end_pass(hooks)
     except BaseException:
         if win.passes.current is not None:
-            settle_failed_pass(opt)
+            settle_failed_pass(hooks)
         raise
     finally:
         win.pending_weight = None
@@ -727,7 +758,7 @@ def backward(opt, loss: Tensor, weight: float, backward_kwargs: dict) -> None:
         win.passes.current = None
 
 
-def check_resized(opt) -> None:
+def check_resized(hooks: Hooks) -> None:
     """Refuse, before opt.backward's pass begins, a parameter whose shape changed (``p.data =
     ...``) in the middle of a window: the window's ValueError (``Window.conform``), with nothing
     changed. Inside the pass it would come after other gradients were added, or updates begun
@@ -735,10 +766,10 @@ def check_resized(opt) -> None:
     with its own error, at the node the extension keeps for the window (hooks.cpp). A plain
     ``loss.backward()`` (mode A) gives us no call before its pass: there the refusal is the
     hook's on the reference backend and autograd's on cpp (troubleshooting.md)."""
-    win = opt._window
+    opt, win = hooks.optimizer(), hooks.window
     if not win.live:
         return
-    fast = opt._fast_path
+    fast = hooks.fast_path
     if fast is None:
         win.conform(opt, list(win.live), closing=False)  # (what each gradient's hook conforms, ahead of it)
         return
@@ -747,7 +778,7 @@ def check_resized(opt) -> None:
         win.conform(opt, [fast.params[slot]], closing=False)
 
 
-def settle_failed_pass(opt) -> None:
+def settle_failed_pass(hooks: Hooks) -> None:
     """The backward pass that opened the window's ``backward_pass`` raised before its end
     (opt.backward sees it at once; a failed loss.backward() is found at the next call).
 
@@ -759,22 +790,22 @@ def settle_failed_pass(opt) -> None:
     gradient: 470 vs 171 ms per window, 33.6M parameters, k=8). Nor can a window's last
     micro-batch whose update had begun inside backward. Both discard the window, with a
     RuntimeWarning saying what was lost; the next micro-batch starts a new window."""
-    win = opt._window
+    opt, win = hooks.optimizer(), hooks.window
     mb, win.passes.current = win.passes.current, None
-    if opt._fast_path is not None:
-        opt._fast_path.take_records(opt, mb, end=True)
+    if hooks.fast_path is not None:
+        hooks.fast_path.take_records(win, mb, end=True)
     if win.transaction.active:
         # run() (recovery.py): what the pass added, it added whole; its retry skips those.
         win.transaction.complete |= mb.completed
         if mb.taken_slots:
-            win.transaction.complete.update(map(opt._fast_path.params.__getitem__, mb.taken_slots))
+            win.transaction.complete.update(map(hooks.fast_path.params.__getitem__, mb.taken_slots))
         return
     if opt.accumulation_steps == 1 or not mb.any_seen():
         return
     if mb.done or mb.done_slots or mb.added_to_live:
         lost = win.micro_step
         win.abandon(opt)
-        updated = mb.updated(opt._fast_path)
+        updated = mb.updated(hooks.fast_path)
         how = (f"after {len(updated)} parameter(s) had been updated inside it" if updated
                else "after adding gradients to the window's sums")
         warnings.warn(
@@ -790,62 +821,63 @@ def settle_failed_pass(opt) -> None:
             del win.buffers[p]
 
 
-def take_grad(opt, p: Tensor) -> None:
+def take_grad(hooks: Hooks, p: Tensor) -> None:
     """The post-accumulate-grad hook's work for ``p``: its fresh gradient into the window (or,
     on the window's last micro-batch without clipping or ranks, straight into its update);
     ``.grad`` is freed. Runs with grad mode off."""
     grad = p.grad
     if grad is None:
         return
-    complete = opt._window.transaction.complete
+    complete = hooks.window.transaction.complete
     if complete and p in complete:  # a failed run() pass already added this micro-batch's gradient
         p.grad = None
         return
     if grad.is_sparse:
-        raise RuntimeError(f"{type(opt).__name__}(in_backward=True) does not support sparse gradients; "
+        raise RuntimeError(f"{type(hooks.optimizer()).__name__}(in_backward=True) does not support sparse gradients; "
                            "use nn.Embedding(sparse=False)")
-    joined = _join_pass(opt, p)
+    joined = _join_pass(hooks, p)
     if joined is not None:
         p.grad = None
-        _add(opt, p, readable_grad(grad), *joined)
+        _add(hooks, p, readable_grad(grad), *joined)
 
 
-def take_written(opt, p: Tensor, writer) -> bool:
+def take_written(hooks: Hooks, p: Tensor, writer) -> bool:
     """accum_fused.nn's fused Linear: ``p``'s gradient of this backward pass is never
     materialised; ``writer.write(buffer, weight, overwrite)`` puts weight x gradient straight
     into ``p``'s window buffer (the GEMM's output), taking the same path through the pass as a
     gradient would. False: this backward is not a micro-batch of ``opt`` (the caller hands
     autograd the gradient instead)."""
-    complete = opt._window.transaction.complete
+    complete = hooks.window.transaction.complete
     if complete and p in complete:  # a failed run() pass already wrote this micro-batch's gradient
         return True
-    joined = _join_pass(opt, p)
+    joined = _join_pass(hooks, p)
     if joined is not None:
-        _add(opt, p, writer, *joined)
+        _add(hooks, p, writer, *joined)
     return joined is not None
 
 
-def _join_pass(opt, p: Tensor) -> tuple[BackwardPass, bool] | None:
+def _join_pass(hooks: Hooks, p: Tensor) -> tuple[BackwardPass, bool] | None:
     """The pass ``p``'s gradient belongs to (begun by this gradient when it is the first), and
     whether ``p`` already had one in it; None when the gradient is not this optimizer's."""
-    win = opt._window
+    win = hooks.window
     mb = win.passes.current
     if mb is not None and mb.failed():
-        settle_failed_pass(opt)
+        settle_failed_pass(hooks)
         mb = None
     if mb is None:
         if win.passes.owned and not win.passes.own:
             return None  # not a micro-batch of this optimizer (a GAN's other loss): .grad stays, as torch leaves it
-        mb = begin_pass(opt, p)
-        mb.ender = _queue_end(opt)
-        if opt._fast_path is not None:
-            opt._fast_path.arm(opt, mb, p)
-    elif opt._fast_path is not None:
-        opt._fast_path.take_records(opt, mb)
-    again = p in mb.seen or bool(mb.taken_slots and opt._fast_path.slot_of.get(p) in mb.taken_slots)
-    updated = p in mb.done or bool(mb.done_slots and opt._fast_path.slot_of.get(p) in mb.done_slots)
+        mb = begin_pass(hooks, p)
+        mb.ender = _queue_end(hooks)
+        if hooks.fast_path is not None:
+            hooks.fast_path.arm(hooks, mb, p)
+    elif hooks.fast_path is not None:
+        hooks.fast_path.take_records(win, mb)
+    again = p in mb.seen or bool(mb.taken_slots and hooks.fast_path.slot_of.get(p) in mb.taken_slots)
+    updated = p in mb.done or bool(mb.done_slots and hooks.fast_path.slot_of.get(p) in mb.done_slots)
     if again and (updated or (mb.closing and win.sync is not None and not win.transaction.active)):
         # (a parameter used both inside and outside a reentrant checkpoint gets two)
+        opt = hooks.optimizer()
         raise RuntimeError(
             f"{opt.update_spec.name(opt, p)} received a second gradient in the backward pass of the window's last "
             "micro-batch after its update (or its cross-rank reduction) had begun inside backward: use "
@@ -855,25 +887,26 @@ def _join_pass(opt, p: Tensor) -> tuple[BackwardPass, bool] | None:
     return mb, again
 
 
-def _add(opt, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
+def _add(hooks: Hooks, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
     """``p``'s gradient (a tensor, or a writer from take_written) into the pass's micro-batch;
     the extension's row of ``p`` follows (FastPath.python_took)."""
-    win = opt._window
+    win = hooks.window
     epoch = win.caches.epoch
     try:
-        _add_to_window(opt, win, p, grad, mb, again)
+        _add_to_window(hooks, p, grad, mb, again)
     finally:
-        if opt._fast_path is not None:
-            opt._fast_path.python_took(win, p, epoch)
+        if hooks.fast_path is not None:
+            hooks.fast_path.python_took(win, p, epoch)
 
 
-def _add_to_window(opt, win, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
+def _add_to_window(hooks: Hooks, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:
+    opt, win = hooks.optimizer(), hooks.window
     written = not isinstance(grad, Tensor)
     if p not in win.live or not mb.closing:  # (a closing pass conformed the live buffers as it began)
         win.conform(opt, [p], closing=mb.closing)  # (a dtype or device changed since: the buffer follows)
     if mb.fold and not again and not written:
         spec = opt.update_spec
-        spec.update(opt, spec.backend_for(opt, p), opt._group_of[p], [p], [kernel_view(win.buffer(p))], weight_sum=mb.weight_sum,
+        spec.update(opt, spec.backend_for(opt, p), hooks.group_of[p], [p], [kernel_view(win.buffer(p))], weight_sum=mb.weight_sum,
                     clip_coef=None, grads=[kernel_view(grad)], weight=mb.weight, overwrite=p not in win.live,
                     grad_scale=None)
         mb.done.add(p)
@@ -905,7 +938,7 @@ def _add_to_window(opt, win, p: Tensor, grad, mb: BackwardPass, again: bool) -> 
     elif mb.norms is not None:
         mb.norms.pop(p, None)
         if mb.slot_norms:
-            mb.slot_norms.pop(opt._fast_path.slot_of.get(p), None)
+            mb.slot_norms.pop(hooks.fast_path.slot_of.get(p), None)
     if mb.closing and win.sync is not None and not again and not win.transaction.active:
         win.sync.grad_ready(p)  # may launch its bucket's all-reduce while backward goes on
 
@@ -917,17 +950,17 @@ def _can_adopt(win, p: Tensor, grad: Tensor) -> bool:
     return win.may_adopt and adoptable(grad, p)
 
 
-def begin_pass(opt, first: Tensor | None = None) -> BackwardPass:
+def begin_pass(hooks: Hooks, first: Tensor | None = None) -> BackwardPass:
     """The first gradient of a backward pass arrived (``first``'s; or opt.backward saw none):
     open its micro-batch in the window. On the window's last micro-batch in mode B, the update
     happens in this pass: torch's step pre-hooks run now (``step()`` runs them in plain mode and
     mode A). Each parameter's update is folded into its hook, unless clipping or ranks need the
     whole window first, or the pass's gradients go in through torch's ops (on a GPU: one
     multi-tensor update at the pass's end, not an update launch per gradient; by_torch_ops)."""
-    win = opt._window
+    opt, win = hooks.optimizer(), hooks.window
     closing = opt.accumulation_steps > 1 and win.closes_with(opt)
     if closing:
-        opt._run_step_hooks(post=False)
+        hooks.run_step_hooks(post=False)
     weight, weight_sum = win.begin_micro_batch(opt, win.take_pending_weight(), closing)
     # (a run() pass folds nothing: a failure in it must leave no parameter updated)
     fold = (closing and win.folds_last(opt) and not win.transaction.active
@@ -942,35 +975,35 @@ def begin_pass(opt, first: Tensor | None = None) -> BackwardPass:
 
 
 @torch.no_grad()
-def end_pass(opt) -> None:
+def end_pass(hooks: Hooks) -> None:
     """The backward pass is done (queued on the autograd engine by the first hook). Parameters
     unfrozen since their hooks were due join it; the window counts the micro-batch and, on its
     last, closes, and torch's step post-hooks run."""
-    win = opt._window
+    opt, win = hooks.optimizer(), hooks.window
     if win.passes.current is not None:
-        if opt._fast_path is not None:
-            opt._fast_path.take_records(opt, win.passes.current, end=True)
-        rehook_dropped(opt, take=True)
-        _hook_unfrozen(opt)
+        if hooks.fast_path is not None:
+            hooks.fast_path.take_records(win, win.passes.current, end=True)
+        rehook_dropped(hooks, take=True)
+        _hook_unfrozen(hooks)
     mb, win.passes.current = win.passes.current, None
     if mb is not None:
         norms = mb.norms
         if norms is not None and mb.slot_norms:
-            norms = opt._fast_path.window_norms(opt, mb)
+            norms = hooks.fast_path.window_norms(opt, mb)
         win.finish_micro_batch(opt, mb.weight, mb.weight_sum, mb.closing,
-                               mb.updated(opt._fast_path) if mb.fold else None, norms)
+                               mb.updated(hooks.fast_path) if mb.fold else None, norms)
         if mb.closing:
-            opt._run_step_hooks(post=True)
+            hooks.run_step_hooks(post=True)
 
 
-def _hook_unfrozen(opt) -> None:
+def _hook_unfrozen(hooks: Hooks) -> None:
     """Parameters that did not require grad when hooks were registered and do now
     (``requires_grad_(True)`` later): hooked from now on, and a gradient this pass left in their
     ``.grad`` joins the pass, so that they train as with torch.optim."""
-    unfrozen = [p for p in opt._unhooked if p.requires_grad]
+    unfrozen = [p for p in hooks.unhooked if p.requires_grad]
     if not unfrozen:
         return
-    opt._unhooked = [p for p in opt._unhooked if not p.requires_grad]
-    register_hooks(opt, unfrozen)
+    hooks.unhooked = [p for p in hooks.unhooked if not p.requires_grad]
+    register_hooks(hooks, unfrozen)
     for p in unfrozen:
-        take_grad(opt, p)
+        take_grad(hooks, p)

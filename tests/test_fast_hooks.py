@@ -74,7 +74,7 @@ def _train(python_only, monkeypatch, *, dtype, mode, clip, name="AdamW", windows
         x = torch.randn(3 + i % 4, 7, generator=gen).to(device, dtype)
         loss = (step_fn or (lambda m, x: m(x)))(model, x).float().square().mean()
         _micro_batch(opt, loss, mode, i)
-    taken = 0 if opt._fast_path is None else opt._fast_path.state.taken
+    taken = 0 if opt._hooks.fast_path is None else opt._hooks.fast_path.state.taken
     assert taken + python_calls[0] == windows * K * grads_per_pass  # every gradient taken once, by one of them
     opt.close()
     # The fp32 state too: a bf16 parameter can round a small difference away.
@@ -183,7 +183,7 @@ def test_failed_pass_after_the_extension_took_gradients(monkeypatch, closing):
         with pytest.warns(RuntimeWarning, match=lost), pytest.raises(RuntimeError, match="simulated"):
             opt.backward(model[2:](RaisingBackward.apply(model[:2](x))).square().mean(), weight=2.0)
         if not python_only:
-            assert opt._fast_path.state.taken > 0 and not opt._fast_path.state.armed
+            assert opt._hooks.fast_path.state.taken > 0 and not opt._hooks.fast_path.state.armed
         assert opt.micro_step == 0
         for _ in range(K):
             opt.backward(model(x).square().mean())
@@ -197,12 +197,12 @@ def test_failed_pass_after_the_extension_took_gradients(monkeypatch, closing):
 def test_close_disarms_and_other_backends_have_python_hooks():
     model = _model(torch.float32)
     opt = _optimizer("AdamW", model.parameters(), accumulation_steps=K)
-    assert isinstance(opt._fast_path, in_backward.FastPath)
+    assert isinstance(opt._hooks.fast_path, in_backward.FastPath)
     opt.close()
-    assert not opt._fast_path.state.armed
+    assert not opt._hooks.fast_path.state.armed
     # Another backend than the extension's: Python's hooks alone.
     opt = accum_fused.AdamW(model.parameters(), backend="torch", in_backward=True)
-    assert opt._fast_path is None
+    assert opt._hooks.fast_path is None
     opt.close()
 
 
@@ -286,7 +286,7 @@ def test_parameters_that_join_passes_at_different_times(monkeypatch, mode):
                 opt.step()
                 opt.zero_grad()
         assert opt.update_count == 4
-        taken = 0 if opt._fast_path is None else opt._fast_path.state.taken
+        taken = 0 if opt._hooks.fast_path is None else opt._hooks.fast_path.state.taken
         opt.close()
         state = [t for p in params for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
         return [p.detach().clone() for p in params] + state, taken
@@ -299,7 +299,7 @@ def test_parameters_that_join_passes_at_different_times(monkeypatch, mode):
 
 # ------------------------------------------------------------------ the hook in the parameter's slot
 def _is_in_slot(opt) -> bool:
-    return all(isinstance(h, in_backward._ExtensionHookHandle) for h in opt._hook_handles)
+    return all(isinstance(h, in_backward._ExtensionHookHandle) for h in opt._hooks.handles)
 
 
 @pytest.mark.parametrize("mode", ["A", "B"])
@@ -332,7 +332,7 @@ def test_hooks_registered_after_ours_run_after_it(monkeypatch, mode):
                     h.remove()
         assert len(seen) == K * 6
         assert opt.update_count == 2
-        taken = opt._fast_path.state.taken if opt._fast_path else 0
+        taken = opt._hooks.fast_path.state.taken if opt._hooks.fast_path else 0
         opt.close()
         return [p.detach().clone() for p in model.parameters()], taken
     fast, taken = run(False)
@@ -350,8 +350,8 @@ def test_hooks_registered_before_ours_keep_running_first():
     seen = []
     first.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad is not None))
     opt = _optimizer("AdamW", model.parameters(), accumulation_steps=K)
-    assert not isinstance(opt._hook_handles[0], in_backward._ExtensionHookHandle)
-    assert all(isinstance(h, in_backward._ExtensionHookHandle) for h in opt._hook_handles[1:])
+    assert not isinstance(opt._hooks.handles[0], in_backward._ExtensionHookHandle)
+    assert all(isinstance(h, in_backward._ExtensionHookHandle) for h in opt._hooks.handles[1:])
     x = torch.randn(5, 7)
     for _ in range(K):
         opt.backward(model(x).square().mean())
@@ -472,7 +472,7 @@ def test_gradients_are_taken_before_autograd_accumulates_them(mode, clip, device
     model = _model(torch.float32, device=device)
     opt = _optimizer("AdamW", model.parameters(), accumulation_steps=K if mode == "B" else 1, max_grad_norm=clip)
     extension = backends._load("cpp")._C  # (a test probe of the hook slots)
-    state = opt._fast_path.state
+    state = opt._hooks.fast_path.state
     x = torch.randn(5, 7, device=device)
     per_pass = []
     for i in range(3 * K):
@@ -508,7 +508,7 @@ def test_the_accumulator_node_is_kept_within_a_window_only(mode, held):
     model = _model(torch.float32)
     params = list(model.parameters())
     opt = _optimizer("AdamW", params, accumulation_steps=K if mode == "B" else 1)
-    extension, state = backends._load("cpp")._C, opt._fast_path.state  # (a test probe of the hook slots)
+    extension, state = backends._load("cpp")._C, opt._hooks.fast_path.state  # (a test probe of the hook slots)
     assert all(extension.count_take_before(p) == 0 for p in params)  # (no node is made or kept before a gradient)
     x = torch.randn(5, 7)
     last = None
@@ -558,7 +558,7 @@ def test_the_kept_nodes_keep_nothing_alive_after_the_optimizer(mode, how):
         del p
         with pytest.warns(UserWarning, match="were replaced"):
             _micro_batch(opt, model(x).square().mean(), mode, 1)
-        assert len(opt._fast_path.dict_handles) == 2
+        assert len(opt._hooks.fast_path.dict_handles) == 2
     del opt, model
     gc.collect()
     assert [p() for p in params] == [None] * len(params)
@@ -608,7 +608,7 @@ def test_the_hook_before_accumulate_steps_aside(monkeypatch, mode, other):
             if other == "frozen-mid-window" and i == K + 1:
                 model[0].weight.requires_grad_(False)  # (after the forward: autograd drops its gradient)
             _micro_batch(opt, loss, mode, i)
-        taken_before = opt._fast_path.state.taken_before_accumulate if opt._fast_path else 0
+        taken_before = opt._hooks.fast_path.state.taken_before_accumulate if opt._hooks.fast_path else 0
         opt.close()
         state = [t for p in params for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
         return [p.detach().clone() for p in params] + state, seen, taken_before

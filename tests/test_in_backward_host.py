@@ -126,7 +126,7 @@ def _train(monkeypatch, spec, *, name, mode, clip, event, windows=6):
         if mode == "A":
             opt.step()
             opt.zero_grad()
-    built = None if opt._fast_path is None else opt._fast_path.built
+    built = None if opt._hooks.fast_path is None else opt._hooks.fast_path.built
     state = [t for p in opt._all_params() for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
     out = [p.detach().clone() for p in opt._all_params()] + [t.clone() for t in state]
     opt.close()

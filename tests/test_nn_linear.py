@@ -340,7 +340,7 @@ def _fused_against_unfused(mode, clip, loss_of, windows=3):
                     opt.zero_grad()
         assert opt.update_count == windows
         runs.append(([p.detach().clone() for p in model.parameters()],
-                     None if opt._fast_path is None else opt._fast_path.built))
+                     None if opt._hooks.fast_path is None else opt._hooks.fast_path.built))
         opt.close()
     return runs
 

@@ -143,10 +143,11 @@ class _Fused:
         live = opt is not None and not opt._closed
         # (the pass's later gradients, where the extension's hooks are armed; else, and for the
         # pass's first, Python's take_written, the spec)
-        if live and same and opt._fast_path is not None and gradient.write_in_extension(opt._fast_path, param):
+        fast = opt._hooks.fast_path if live else None
+        if live and same and fast is not None and gradient.write_in_extension(fast, param):
             return None
         with torch.no_grad():
-            taken = live and same and in_backward.take_written(opt, param, gradient)
+            taken = live and same and in_backward.take_written(opt._hooks, param, gradient)
         return None if taken else gradient.tensor()
 
 
