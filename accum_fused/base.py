@@ -361,7 +361,7 @@ class AccumulatingOptimizer:
             raise TypeError(f"loss_fn must be callable (batch -> loss or (loss, weight)), got {type(loss_fn).__name__}")
         if split is not None and not callable(split):  # (else found only at an out-of-memory error)
             raise TypeError(f"split must be callable (batch, n) -> n parts, or None, got {type(split).__name__}")
-        return recovery.run_micro_batch(self, batch, loss_fn, weight, split, scaler=scaler)
+        return recovery.run_micro_batch(self, self._window, batch, loss_fn, weight, split, scaler=scaler)
 
     @property
     def recovery(self):

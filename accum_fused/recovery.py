@@ -253,14 +253,13 @@ def _split(batch, total: int | None, count: int, split: Callable | None) -> list
 
 
 # ------------------------------------------------------------------------------------ the run
-def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: Callable | None,
+def run_micro_batch(opt, win, batch, loss_fn: Callable, weight: float | None, split: Callable | None,
                     step: Callable | None = None, scaler=None) -> Tensor:
-    """``opt.run``: see AccumulatingOptimizer.run. ``step``: what takes a plain-mode micro-batch
+    """``opt.run``: see AccumulatingOptimizer.run; ``win`` is its window. ``step``: what takes a plain-mode micro-batch
     (default ``opt.step``; a framework's wrapper passes its own, which calls ``opt.step``).
     ``scaler``: a torch.amp.GradScaler (plain mode): the parts' losses are scaled, the micro-batch
     is taken by ``scaler.step`` and ``scaler.update`` follows; a failed pass changes nothing of
     the scaler's (``scale()`` only reads its scale)."""
-    win = opt._window
     if win.shards is not None:
         raise NotImplementedError(
             f"{type(opt).__name__}.run() with FSDP2 parameters: FSDP2 reduce-scatters inside every backward, so a "
@@ -288,11 +287,11 @@ def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: 
         closings = win.transaction.closings
         try:
             if opt.in_backward:
-                loss = _run_in_backward(opt, parts, loss_fn, weight, total, progress)
+                loss = _run_in_backward(opt, win, parts, loss_fn, weight, total, progress)
             else:
-                loss = _run_plain(opt, parts, loss_fn, weight, total, step or opt.step,
+                loss = _run_plain(opt, win, parts, loss_fn, weight, total, step or opt.step,
                                   scale=(lambda x: x) if scaler is None else scaler.scale)
-            _end(opt)
+            _end(win)
             state._after_micro_batch(win.update_count)
             return loss
         except Exception as exc:  # noqa: BLE001 (out-of-memory or not: decided here)
@@ -301,7 +300,7 @@ def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: 
             # window is gone with it (Window.close), and retrying the micro-batch would make it
             # the first of a new window. Raised as it is.
             if not is_out_of_memory(exc) or win.transaction.closings != closings:
-                _give_up(opt, progress[0])
+                _give_up(opt, win, progress[0])
                 raise
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         # Out of memory. The exception and the frames holding the failed pass's tensors went
@@ -327,10 +326,10 @@ def run_micro_batch(opt, batch, loss_fn: Callable, weight: float | None, split: 
                 more = len(smaller) > len(parts)
                 parts = smaller
         except Exception:
-            _give_up(opt, parts_in)  # (a batch that cannot be split: the window as it was before it)
+            _give_up(opt, win, parts_in)  # (a batch that cannot be split: the window as it was before it)
             raise
         if not more:  # (a user's split that cannot make more parts)
-            _fail_at_one_sample(opt, tried, reason, parts_in)
+            _fail_at_one_sample(opt, win, tried, reason, parts_in)
         largest = _largest(parts)
         tried.append(largest)
         if isinstance(largest, int):  # (parts of unknown sizes teach later micro-batches nothing)
@@ -350,8 +349,8 @@ def _largest(parts: list[_Part]) -> int | str:
     return "?" if None in sizes else max(sizes)
 
 
-def _fail_at_one_sample(opt, tried: list, reason: str, parts_in: int):
-    _give_up(opt, parts_in)
+def _fail_at_one_sample(opt, win, tried: list, reason: str, parts_in: int):
+    _give_up(opt, win, parts_in)
     raise RuntimeError(
         f"{type(opt).__name__}.run(): a part of one sample still runs out of memory ({reason}); part sizes tried: "
         f"{tried}. Reduce the memory one sample needs (activation checkpointing, shorter sequences, mixed "
@@ -387,21 +386,21 @@ def _scaled_step(opt, scaler) -> Callable:
     return step
 
 
-def _run_plain(opt, parts: list[_Part], loss_fn, weight, total, step: Callable, scale: Callable) -> Tensor:
+def _run_plain(opt, win, parts: list[_Part], loss_fn, weight, total, step: Callable, scale: Callable) -> Tensor:
     """Every part through autograd into .grad (times its weight, rescaled by the total once at
     the end when split); then one step() takes the micro-batch."""
     for p in opt.update_spec.params(opt):
         p.grad = None
     tell_transaction(opt, "transaction_begins")
     if len(parts) == 1:
-        opt._window.transaction.part_serial += 1
+        win.transaction.part_serial += 1
         loss, w = _call(loss_fn, parts[0], weight, total)
         scale(loss).backward()
         step(weight=w)
         return loss.detach()
     losses, weights = [], []
     for part in parts:
-        opt._window.transaction.part_serial += 1
+        win.transaction.part_serial += 1
         loss, w = _call(loss_fn, part, weight, total)
         scale(loss * w).backward()
         losses.append(loss.detach())
@@ -415,11 +414,10 @@ def _run_plain(opt, parts: list[_Part], loss_fn, weight, total, step: Callable, 
     return _mean(losses, weights)
 
 
-def _run_in_backward(opt, parts: list[_Part], loss_fn, weight, total, progress: list) -> Tensor:
+def _run_in_backward(opt, win, parts: list[_Part], loss_fn, weight, total, progress: list) -> Tensor:
     """Each part one backward pass into the window (``parts`` shrinks as they go in); the
     micro-batch counts once. Mode A sums passes: a part's loss is scaled by its share of the
     micro-batch's samples."""
-    win = opt._window
     mode_a = opt.accumulation_steps == 1
     losses, weights = [], []
     win.transaction.active = True
@@ -453,19 +451,17 @@ def _mean(losses: list[Tensor], weights: list[float]) -> Tensor:
     return sum(loss * (w / total) for loss, w in zip(losses, weights))
 
 
-def _end(opt) -> None:
-    win = opt._window
+def _end(win) -> None:
     win.transaction.parts_left = 0
     win.transaction.complete.clear()
 
 
-def _give_up(opt, parts_in: int) -> None:
+def _give_up(opt, win, parts_in: int) -> None:
     """An exception other than out-of-memory: plain mode touched only .grad (emptied: the window
     is as it was). in_backward: nothing added, nothing changed; otherwise mode A keeps the sum
     (as autograd keeps a failed pass's .grad) and mode B discards the window, saying so."""
-    win = opt._window
     added = parts_in > 0 or bool(win.transaction.complete)
-    _end(opt)
+    _end(win)
     if not opt.in_backward:
         for p in opt.update_spec.params(opt):
             p.grad = None

@@ -139,7 +139,7 @@ class AcceleratedAccumFusedOptimizer(AcceleratedOptimizer):
         if weight is not None:
             weight = _check_weight(weight)
         step = None if getattr(inner, "in_backward", False) else self.step
-        return recovery.run_micro_batch(inner, batch, loss_fn, weight, split, step=step)
+        return recovery.run_micro_batch(inner, inner._window, batch, loss_fn, weight, split, step=step)
 
     @property
     def step_was_skipped(self) -> bool:
