@@ -146,7 +146,7 @@ class AccumulatingOptimizer:
         # in-backward hooks, DDP's own sync turned off (ddp.py).
         self._releases: list = []
         self._closed = False
-        self._backends = {}  # (backend name, device, dtype) -> backend module (_backend_for)
+        self._backends = {}  # (backend name, device, dtype) -> backend module (update_spec.backend_for)
         self._window_listeners = WindowListeners()  # told when a window ends (accum_fused.nn.window_batchnorm)
         name, params = type(self).__name__, self._all_params()
         mesh = self._check_params(params)
@@ -202,12 +202,6 @@ class AccumulatingOptimizer:
 
     def _all_params(self) -> list[Tensor]:
         return self.update_spec.params(self)
-
-    def _param_name(self, p: Tensor) -> str:
-        return self.update_spec.name(self, p)
-
-    def _backend_for(self, param: Tensor):
-        return self.update_spec.backend_for(self, param)
 
     def _collect_grads(self) -> list[tuple[Tensor, Tensor]]:
         """(param, grad) for every parameter with a gradient, validated: no sparse gradient,
