@@ -224,9 +224,10 @@ class FastPath:
         return handle
 
     def build_rows(self, opt, win) -> None:
-        """Every row anew, from the window (a layout epoch the rows are not true to): each
-        parameter's route (window.table.route, with by_torch_ops: decided there, executed by
-        the extension) and its window state (buffer, live, adopted)."""
+        """Every row anew, from the window (a layout epoch the rows are not true to, or a
+        parameter cast or moved since they were built, which the extension finds: then their
+        epoch is -1): each parameter's route (window.table.route, with by_torch_ops: decided
+        there, executed by the extension) and its window state (buffer, live, adopted)."""
         from .window import route
         eligible, adopt, torch_ops, buffers, live, adopted = [], [], [], [], [], []
         for p in self.params:
@@ -237,7 +238,7 @@ class FastPath:
             buffers.append(win.buffers.get(p))
             live.append(p in win.live)
             adopted.append(p in win.adopted)
-        self.state.set_rows(eligible, adopt, torch_ops, buffers, live, adopted)
+        self.state.set_rows(self.params, eligible, adopt, torch_ops, buffers, live, adopted)
         self.state.epoch = win.caches.epoch
         self.built += 1
 

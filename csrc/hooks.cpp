@@ -144,6 +144,11 @@ struct Slot {
   bool eligible = false;   // the hooks may take its gradients (a plain tensor on the cpp backend or torch's ops)
   bool may_adopt = false;  // a first gradient of a window may become its buffer (zero-copy)
   bool torch_ops = false;  // its gradients go in through torch's ops, not the kernels (by_torch_ops)
+  // What the route was decided for: the parameter's dtype, device and contiguity (a parameter
+  // cast or moved since, `model.to(...)` between windows, makes the rows stale: route_stands).
+  at::ScalarType dtype = at::ScalarType::Undefined;
+  c10::Device device{c10::kCPU};
+  bool contiguous = false;
   // ... and its window state.
   Tensor buffer;  // undefined: none yet
   bool live = false;
@@ -218,16 +223,20 @@ struct HookState : std::enable_shared_from_this<HookState> {
 
   // The table's rows, all of them (aligned with the slots): the route and the window's state of
   // each hooked parameter (in_backward.FastPath.build_rows, once per layout epoch).
-  void set_rows(const std::vector<bool>& eligible, const std::vector<bool>& may_adopt,
-                const std::vector<bool>& torch_ops, const std::vector<std::optional<Tensor>>& buffers,
-                const std::vector<bool>& live, const std::vector<bool>& adopted) {
+  void set_rows(const std::vector<Tensor>& params, const std::vector<bool>& eligible,
+                const std::vector<bool>& may_adopt, const std::vector<bool>& torch_ops,
+                const std::vector<std::optional<Tensor>>& buffers, const std::vector<bool>& live,
+                const std::vector<bool>& adopted) {
     const Lock lock(mu);
     const size_t n = slots.size();
-    TORCH_CHECK(eligible.size() == n && may_adopt.size() == n && torch_ops.size() == n && buffers.size() == n &&
-                    live.size() == n && adopted.size() == n,
+    TORCH_CHECK(params.size() == n && eligible.size() == n && may_adopt.size() == n && torch_ops.size() == n &&
+                    buffers.size() == n && live.size() == n && adopted.size() == n,
                 "set_rows: one row per slot");
     for (size_t i = 0; i < n; ++i) {
       Slot& s = slots[i];
+      s.dtype = params[i].scalar_type();
+      s.device = params[i].device();
+      s.contiguous = params[i].is_contiguous();
       s.eligible = eligible[i];
       s.may_adopt = may_adopt[i];
       s.torch_ops = torch_ops[i];
@@ -251,6 +260,17 @@ struct HookState : std::enable_shared_from_this<HookState> {
   }
 
   const Tensor& buffer_of(const Slot& s) const { return by_row(s) ? s.buffer : s.pass_buffer; }
+
+  // Whether `param` is still what its row's route was decided for; if not, nothing is taken by
+  // the row and the rows are stale (epoch -1: in_backward.FastPath builds them anew at the next
+  // pass), as a layout change the window saw would have made them.
+  bool route_stands(Slot& s, const Tensor& param) {
+    if (param.scalar_type() == s.dtype && param.device() == s.device && param.is_contiguous() == s.contiguous) {
+      return true;
+    }
+    epoch = -1;
+    return false;
+  }
 
   // A pass that folds nothing: each slot's mode comes from its row; `seen` (the gradient Python
   // takes first, parameters whose gradient of this micro-batch is in already) are Python's.
@@ -334,7 +354,7 @@ struct HookState : std::enable_shared_from_this<HookState> {
     Slot& s = slots[slot_id];
     const int64_t mode = mode_of(s);
     if ((mode != kAdd && mode != kOverwrite && mode != kAdopt) || s.seen_task == armed_task) return false;
-    if (torch::autograd::get_current_graph_task_id() != armed_task) return false;
+    if (torch::autograd::get_current_graph_task_id() != armed_task || !route_stands(s, param)) return false;
     const bool starts = mode != kAdd;  // (the window's first gradient of it: no sum yet)
     if (starts && norm_weight_sum.has_value()) return false;  // (no norm record for a start: Python's)
     // fp32 throughout (Python's path widens other operands and runs autocast's dtype)
@@ -485,7 +505,7 @@ struct HookState : std::enable_shared_from_this<HookState> {
     Slot& s = slots[slot_id];
     const int64_t mode = mode_of(s);
     if (mode == kNone || s.seen_task == armed_task || (before_accumulate && mode == kAdopt)) return false;
-    if (torch::autograd::get_current_graph_task_id() != armed_task) return false;
+    if (torch::autograd::get_current_graph_task_id() != armed_task || !route_stands(s, param)) return false;
     if (!kernel_grad(grad) || grad.device() != param.device()) return false;
     int64_t done = mode;
     std::optional<Tensor> norm, adopted;
@@ -844,8 +864,8 @@ void register_hooks(py::module& m) {
   py::class_<HookState, std::shared_ptr<HookState>>(m, "HookState")
       .def(py::init<>())
       .def("add_slot", &HookState::add_slot)
-      .def("set_rows", &HookState::set_rows, py::arg("eligible"), py::arg("may_adopt"), py::arg("torch_ops"),
-           py::arg("buffers"), py::arg("live"), py::arg("adopted"))
+      .def("set_rows", &HookState::set_rows, py::arg("params"), py::arg("eligible"), py::arg("may_adopt"),
+           py::arg("torch_ops"), py::arg("buffers"), py::arg("live"), py::arg("adopted"))
       .def("begin_pass", &HookState::begin_pass, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"),
            py::arg("seen"))
       .def("arm", &HookState::arm, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"),

@@ -125,6 +125,41 @@ def test_the_gpus_per_gradient_path_matches_python_hooks(monkeypatch, dtype, mod
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("mode", ["A", "B"])
+def test_a_parameter_cast_between_windows_gets_its_route_anew(monkeypatch, mode):
+    """The hooks' rows take each gradient by a route decided for its parameter's dtype, device
+    and layout (window.table.route). A cast between windows that no buffer witnesses (bf16 to
+    fp32: their fp32 buffers fit either) is found by the extension, which hands the row's
+    gradient to Python and has the rows built anew: from the next pass on, fp32 gradients become
+    their buffers as Python's hooks adopt them (the stale bf16 route would overwrite the buffers
+    instead), bit for bit Python's windows, weights other than 1 included."""
+    def run(python_only):
+        if python_only:
+            _python_hooks_only(monkeypatch)
+        else:
+            monkeypatch.undo()
+        model = _model(torch.bfloat16)
+        opt = _optimizer("AdamW", model.parameters(), accumulation_steps=K if mode == "B" else 1)
+        gen = torch.Generator().manual_seed(3)
+        adopted = built = None
+        for i in range(4 * K):
+            if i == 2 * K:
+                model.float()
+            if i == 3 * K + 1 and opt._hooks.fast_path is not None:
+                adopted, built = len(opt._window.adopted), opt._hooks.fast_path.built
+            x = torch.randn(3, 7, generator=gen).to(next(model.parameters()).dtype)
+            _micro_batch(opt, model(x).float().square().mean(), mode, i)
+        out = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+        return out, adopted, built
+
+    fast, adopted, built = run(False)
+    slow, _, _ = run(True)
+    for a, b in zip(fast, slow):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    assert adopted == 6 and built == 2
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["auto", "cpp", "triton"])
 @pytest.mark.parametrize("mode,clip", [("A", None), ("A", 1.0), ("B", None), ("B", 0.05)],
