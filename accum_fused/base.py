@@ -26,11 +26,11 @@ from .checkpoint import called_from_torch_checkpoint
 from . import framework_guard as guard
 from .layout import is_dtensor, readable_grad, state_dtype
 from .update import UpdateSpec
-from .window import Window, WindowListeners
+from .window import Window
 from .window import plain
 
 
-def _check_weight(weight) -> float:
+def check_weight(weight) -> float:
     if isinstance(weight, Tensor):
         if weight.numel() != 1 or weight.is_complex():
             raise TypeError("weight must be a real number or a 1-element real tensor")
@@ -70,8 +70,6 @@ class AccumulatingOptimizer:
 
     # torch.amp.GradScaler.step: hand us grad_scale / found_inf instead of unscaling .grad.
     _step_supports_amp_scaling = True
-    # State that stays in state_dtype whatever the parameter dtype (torch would cast it).
-    _wide_state_keys: tuple[str, ...] = ()
     # The update this class gives its window (update.UpdateSpec; optim.py's, per class): the
     # one surface through which the window's modules reach the optimizer.
     update_spec: UpdateSpec = UpdateSpec()
@@ -143,11 +141,10 @@ class AccumulatingOptimizer:
         self.in_backward = in_backward
         self._hooks: hooks.Hooks | None = None  # in_backward's state (in_backward.Hooks)
         # What close() undoes early and collection undoes anyway (weakref.finalize objects): the
-        # in-backward hooks, DDP's own sync turned off (ddp.py).
+        # in-backward hooks.
         self._releases: list = []
         self._closed = False
-        self._backends = {}  # (backend name, device, dtype) -> backend module (update_spec.backend_for)
-        self._window_listeners = WindowListeners()  # told when a window ends (accum_fused.nn.window_batchnorm)
+        self._ddp: ddp.Takeover | None = None  # DDP's sync taken over (ddp.py)
         name, params = type(self).__name__, self._all_params()
         mesh = self._check_params(params)
         # FSDP2 (DTensor parameters): the ranks of the mesh agree once per window (ShardSync).
@@ -158,7 +155,7 @@ class AccumulatingOptimizer:
             sync.add_params(params, state_dtype)
         self._window = Window(sync, shards)
         if mesh is None:  # replicas: a DistributedDataParallel model is enough (ddp.py)
-            ddp.attach(self, params)
+            self._ddp = ddp.Takeover(self, self._window, params)
         if in_backward:
             self._hooks = hooks.install(self, self._window, weakref.WeakMethod(self._run_step_hooks))
             # (its hooks hold it weakly; when the optimizer is collected they go with it, close() earlier)
@@ -251,7 +248,7 @@ class AccumulatingOptimizer:
         self._check_open("step()")
         win = self._window
         if weight is not None:
-            weight = _check_weight(weight)
+            weight = check_weight(weight)
             if win.backward_done:
                 raise ValueError("this micro-batch's weight was given to backward(loss, weight=...): call step() "
                                  "without weight=")
@@ -347,7 +344,7 @@ class AccumulatingOptimizer:
         from . import recovery
         self._check_open("run()")
         if weight is not None:
-            weight = _check_weight(weight)
+            weight = check_weight(weight)
             if self.in_backward and self.accumulation_steps == 1:
                 raise ValueError("with in_backward=True and accumulation_steps=1 the backward passes are summed: "
                                  "a micro-batch weight has no meaning there (scale the loss instead)")
@@ -372,7 +369,7 @@ class AccumulatingOptimizer:
         or ``loss.backward()`` without one (HF Trainer, Lightning, accelerate): the next
         ``step()`` without ``weight=`` (also one whose closure calls this) or, with
         ``in_backward``, the next backward pass uses it. Validated here."""
-        weight = _check_weight(weight)
+        weight = check_weight(weight)
         if self.in_backward and self.accumulation_steps == 1 and weight != 1.0:
             raise ValueError("with in_backward=True and accumulation_steps=1 the backward passes are summed: "
                              "a micro-batch weight has no meaning there (scale the loss instead)")
@@ -399,7 +396,7 @@ class AccumulatingOptimizer:
         self._check_open("backward()")
         if weight is None:
             weight = 1.0 if win.pending_weight is None else win.pending_weight
-        weight = _check_weight(weight)
+        weight = check_weight(weight)
         if win.shards is not None and weight != 1.0:
             loss = loss * weight  # before FSDP2's reduce-scatter averages the ranks' gradients
         if self.in_backward:
@@ -429,7 +426,8 @@ class AccumulatingOptimizer:
         for release in self._releases:
             release()
         self._releases.clear()
-        ddp.window_closed(self, closing_optimizer=True)
+        if self._ddp is not None:
+            self._ddp.close()
         if self.in_backward:
             hooks.close(self._hooks)
         self._closed = True
@@ -459,12 +457,12 @@ class AccumulatingOptimizer:
         FSDP2 parameters the window is carried inside "state" and "param_groups" instead."""
         guard.check_wrapped(self)
         hooks.settle_if_failed(self._hooks)
-        return checkpoint.state_dict(self, super().state_dict())
+        return checkpoint.state_dict(self, self._window, super().state_dict(), self.__dict__.get("_recovery"))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load our own state_dict (resuming mid-window exactly) or a torch.optim one of the
         same class (migration: the window starts empty, state is widened to fp32)."""
-        checkpoint.load_state_dict(self, state_dict, super().load_state_dict)
+        checkpoint.load_state_dict(self, self._window, state_dict, super().load_state_dict)
 
     def _init_state_for_checkpoint(self) -> None:
         """torch.distributed.checkpoint's stand-in for a first step: create the state a first
@@ -474,9 +472,47 @@ class AccumulatingOptimizer:
     def __getstate__(self) -> dict[str, Any]:
         # torch's __getstate__ keeps only defaults/state/param_groups; copy.deepcopy and
         # pickle must keep the open window too.
-        checkpoint.refuse_copy(self)
-        return {**super().__getstate__(), **{k: getattr(self, k) for k in checkpoint.ACCUMULATION_ATTRS}}
+        checkpoint.refuse_copy(self, self._window)
+        return {**super().__getstate__(), **{k: getattr(self, k) for k in ACCUMULATION_ATTRS}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        checkpoint.restore_defaults(self.__dict__)
+        restore_defaults(self.__dict__)
+
+
+# What deepcopy / pickle keep besides torch's defaults / state / param_groups.
+ACCUMULATION_ATTRS = ("accumulation_steps", "max_grad_norm", "backend", "_window", "process_group",
+                      "in_backward", "_hooks", "_closed")
+
+
+def restore_defaults(attrs: dict[str, Any]) -> None:
+    """A copy's attributes (deepcopy, pickle), and those an optimizer pickled by an older version
+    lacks or had."""
+    attrs.setdefault("process_group", None)
+    attrs.setdefault("in_backward", False)
+    attrs.setdefault("_hooks", None)  # (an in_backward optimizer is never pickled)
+    attrs.setdefault("_releases", [])  # a copy owns no hooks or DDP module
+    attrs.setdefault("_ddp", None)
+    attrs.setdefault("_closed", False)
+    for gone in ("_window_listeners", "_backends", "_ddp_watch", "_ddp_unwatched"):  # (older versions')
+        attrs.pop(gone, None)
+
+
+# ----------------------------------------------------------- for the modules above this one
+# accum_fused.nn and the integrations reach an optimizer's window and in_backward hooks through
+# these, not through its attributes: where those live is base.py's business alone.
+def window_of(opt, what: str | None = None) -> Window:
+    """``opt``'s window; with ``what``, refused first (naming ``what``) if ``opt`` was closed."""
+    if what is not None:
+        opt._check_open(what)
+    return opt._window
+
+
+def is_open(opt) -> bool:
+    """Whether ``opt`` takes micro-batches still (not closed)."""
+    return not opt._closed
+
+
+def hooks_of(opt) -> hooks.Hooks | None:
+    """in_backward's hooks of an open ``opt`` (None: closed, or not in_backward)."""
+    return None if opt._closed else opt._hooks

@@ -4,7 +4,7 @@ Owns: the ``"accumulation"`` entry of ``state_dict()`` (the open window's buffer
 index, counters, GradScaler flag) and its check and restore on load; the FSDP2 layout, where the
 window rides inside "state" and "param_groups" because torch.distributed.checkpoint keeps only
 those; loading a plain torch.optim state_dict (migration: the window starts empty, state is
-widened to fp32); what ``copy.deepcopy`` / ``pickle`` keep and refuse; recognising
+widened to fp32); what ``copy.deepcopy`` / ``pickle`` refuse; recognising
 torch.distributed.checkpoint's own calls (``called_from_torch_checkpoint``); a window listener's
 entry (``LISTENER_ENTRIES``) loaded before that listener exists, kept until it claims it
 (``Unclaimed``).
@@ -22,12 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .layout import is_dtensor, state_dtype
-from .window import window_listeners
-
-# What deepcopy / pickle keep besides torch's defaults / state / param_groups.
-ACCUMULATION_ATTRS = ("accumulation_steps", "max_grad_norm", "backend", "_window", "process_group",
-                      "in_backward", "_hooks", "_closed")
+from .layout import ELEMENTWISE_STATE, is_dtensor, state_dtype
 
 
 def called_from_torch_checkpoint(function: str) -> bool:
@@ -61,8 +56,8 @@ class Unclaimed:
     loaded window, for the listener registered later to claim it; state_dict() saves it meanwhile;
     a window that ends unclaimed warns."""
 
-    def __init__(self, key: str, entry: Any) -> None:
-        self.key, self.entry = key, entry
+    def __init__(self, key: str, entry: Any, listeners: list) -> None:
+        self.key, self.entry, self.listeners = key, entry, listeners
 
     def window_closed(self, opt, applied: bool) -> None:
         self._dropped(opt)
@@ -71,58 +66,46 @@ class Unclaimed:
         self._dropped(opt)
 
     def _dropped(self, opt) -> None:
-        opt._window_listeners.remove(self)
+        self.listeners.remove(self)
         warnings.warn(
             f"the checkpoint loaded into this {type(opt).__name__} holds {self.key!r} (its open window's statistics), "
             f"which nothing claimed before that window ended: they were dropped. Call {LISTENER_ENTRIES[self.key]} "
             "before the window ends, before or after opt.load_state_dict()", RuntimeWarning, stacklevel=2)
 
 
-def _keep_unclaimed(opt, entries: dict[str, Any]) -> None:
+def _keep_unclaimed(win, entries: dict[str, Any]) -> None:
     """The loaded window replaces the open one, and so do the entries waiting for a listener; an
     entry whose listener is registered was loaded by that listener's hooks."""
-    listeners = window_listeners(opt)
+    listeners = win.listeners
     listeners[:] = [listener for listener in listeners if not isinstance(listener, Unclaimed)]
     claimed = {getattr(listener, "state_key", None) for listener in listeners}
-    listeners.extend(Unclaimed(key, entry) for key, entry in entries.items() if key not in claimed)
+    listeners.extend(Unclaimed(key, entry, listeners) for key, entry in entries.items() if key not in claimed)
 
 
 # ------------------------------------------------------------------------- copy / pickle
-def refuse_copy(opt) -> None:
+def refuse_copy(opt, win) -> None:
     """deepcopy / pickle keep the open window, but not hooks on a model or a live process group."""
     if getattr(opt, "in_backward", False):
         raise TypeError(
             f"{type(opt).__name__} with in_backward=True cannot be pickled or deep-copied (its hooks live on "
             "the model's parameters); save and load its state_dict() instead"
         )
-    if opt._window.sync is not None:
+    if win.sync is not None:
         raise TypeError(
             f"{type(opt).__name__} with a process_group cannot be pickled or deep-copied (a process "
             "group is a live connection); save and load its state_dict() instead"
         )
 
 
-def restore_defaults(attrs: dict[str, Any]) -> None:
-    """Attributes an optimizer pickled by an older version lacks."""
-    attrs.setdefault("process_group", None)
-    attrs.setdefault("in_backward", False)
-    attrs.setdefault("_hooks", None)  # (an in_backward optimizer is never pickled)
-    attrs.setdefault("_releases", [])  # a copy owns no hooks or DDP module
-    attrs.setdefault("_closed", False)
-    attrs.setdefault("_backends", {})  # a cache, rebuilt on use
-    attrs.setdefault("_window_listeners", [])  # a copy carries none (window.window_listeners types it)
-
-
 # ------------------------------------------------------------------------------ saving
-def state_dict(opt, torch_state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``torch_state_dict`` (torch's, or a wrapped optimizer's) plus the open window: as the
-    ``"accumulation"`` entry, or, with FSDP2 parameters, inside "state" and "param_groups"."""
-    unclaimed = {listener.key: listener.entry for listener in getattr(opt, "_window_listeners", ())
-                 if isinstance(listener, Unclaimed)}
-    state_dict = {**torch_state_dict, **unclaimed, "accumulation": accumulation_entry(opt)}
-    win = opt._window
+def state_dict(opt, win, torch_state_dict: dict[str, Any], recovery=None) -> dict[str, Any]:
+    """``torch_state_dict`` (torch's, or a wrapped optimizer's) plus the open window ``win``: as
+    the ``"accumulation"`` entry, or, with FSDP2 parameters, inside "state" and "param_groups".
+    ``recovery``: what out-of-memory recovery learnt (recovery.RecoveryState), if it ran."""
+    unclaimed = {listener.key: listener.entry for listener in win.listeners if isinstance(listener, Unclaimed)}
+    state_dict = {**torch_state_dict, **unclaimed, "accumulation": accumulation_entry(opt, win, recovery)}
     if win.shards is not None:
-        return _window_inside_state(opt, state_dict)
+        return _window_inside_state(opt, win, state_dict)
     if win.micro_step > 0 and called_from_torch_checkpoint("_get_optim_state_dict"):
         raise RuntimeError(
             f"torch.distributed.checkpoint's get_optimizer_state_dict keeps only 'state' and 'param_groups' of "
@@ -141,8 +124,7 @@ def _process() -> tuple[int, int] | None:
     return None
 
 
-def accumulation_entry(opt) -> dict[str, Any]:
-    win = opt._window
+def accumulation_entry(opt, win, recovery) -> dict[str, Any]:
     index = {p: i for i, p in enumerate(opt.update_spec.params(opt))}
     # An open window in a job of several processes holds this rank's micro-batches only: the
     # entry says whose ("save on rank 0, load everywhere" would resume every rank with rank 0's).
@@ -163,18 +145,17 @@ def accumulation_entry(opt) -> dict[str, Any]:
         "grads_held": win.grads_held,
         "buffers": {index[p]: win.buffers[p] for p in win.live},
         # What out-of-memory recovery learnt (opt.run): a resumed run starts split as this one would go on.
-        **({} if opt.__dict__.get("_recovery") is None else {"recovery": opt.recovery.to_state()}),
+        **({} if recovery is None else {"recovery": recovery.to_state()}),
     }
 
 
-def _window_inside_state(opt, state_dict: dict[str, Any]) -> dict[str, Any]:
+def _window_inside_state(opt, win, state_dict: dict[str, Any]) -> dict[str, Any]:
     """FSDP2 users checkpoint with torch.distributed.checkpoint (get/set_optimizer_state_dict,
     dcp.save/load), which keeps only "state" and "param_groups". So the window rides there:
     each parameter's buffer as "accumulation_buffer" in its state (a DTensor, saved sharded;
     for every parameter, so that a fresh optimizer's state_dict is a load template for any
     checkpoint), whether it is live as "accumulation_live", and the counters as the first
     group's "accumulation". load_state_dict takes them back out."""
-    win = opt._window
     if win.grads_held:
         raise RuntimeError(
             "FSDP2 holds gradients of this open window (set_requires_gradient_sync(False)), which no checkpoint "
@@ -280,7 +261,7 @@ def _check_accumulation_entry(opt, accumulation: dict[str, Any], by_id: dict) ->
             raise ValueError(f"checkpoint's accumulation buffer {param_id} does not match this optimizer's parameters")
 
 
-def load_state_dict(opt, state_dict: dict[str, Any], torch_load) -> None:
+def load_state_dict(opt, win, state_dict: dict[str, Any], torch_load) -> None:
     """SGD/Adam/AdamW: load our own state_dict (resuming mid-window exactly) or a torch.optim
     one of the same class, through ``torch_load`` (torch.optim.Optimizer.load_state_dict).
 
@@ -296,6 +277,9 @@ def load_state_dict(opt, state_dict: dict[str, Any], torch_load) -> None:
     def capture(optimizer, final_state_dict):  # registered last: sees the user's pre hooks' result
         loaded["state_dict"] = final_state_dict
 
+    # State that stays in state_dtype whatever the parameter dtype (torch would cast it).
+    wide_keys = [key for key in opt.update_spec.kept_state_entries.values() if key in ELEMENTWISE_STATE]
+
     def keep_state_wide(optimizer):  # registered first: runs before the user's post hooks
         final = loaded["state_dict"]
         saved_ids = chain.from_iterable(g["params"] for g in final["param_groups"])
@@ -303,7 +287,7 @@ def load_state_dict(opt, state_dict: dict[str, Any], torch_load) -> None:
             entry, p_state = final["state"].get(param_id), opt.state.get(p)
             if not isinstance(entry, dict) or not isinstance(p_state, dict):
                 continue
-            for key in opt._wide_state_keys:
+            for key in wide_keys:
                 if isinstance(entry.get(key), Tensor) and key in p_state:
                     p_state[key] = entry[key].to(device=p.device, dtype=state_dtype(p))
             step = p_state.get("step")
@@ -317,15 +301,14 @@ def load_state_dict(opt, state_dict: dict[str, Any], torch_load) -> None:
     finally:
         pre.remove()
         post.remove()
-    restore_window(opt, accumulation, by_id)
+    restore_window(opt, win, accumulation, by_id)
 
 
-def restore_window(opt, accumulation: dict[str, Any] | None, by_id: dict) -> None:
+def restore_window(opt, win, accumulation: dict[str, Any] | None, by_id: dict) -> None:
     """Reopen the saved window (or start an empty one when the checkpoint has none)."""
-    win = opt._window
     win.discard()
     win.caches.update_plan = None  # (its kept lists hold the state the load replaced)
-    _keep_unclaimed(opt, {} if accumulation is None else accumulation.get("listener_entries", {}))
+    _keep_unclaimed(win, {} if accumulation is None else accumulation.get("listener_entries", {}))
     if accumulation is None:
         return
     win.micro_step = accumulation["micro_step"]

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import backends, checkpoint, distributed
-from .base import AccumulatingOptimizer, check_accumulation_steps
+from .base import AccumulatingOptimizer, check_accumulation_steps, restore_defaults
 from . import framework_guard as guard
 from .backends.reference import BF16_UPDATES, hash32
 from .layout import kernel_view, like_param, state_dtype
@@ -196,7 +196,6 @@ class SGD(_Bf16Rounding, AccumulatingOptimizer, torch.optim.SGD):
     dtype); fp64 parameters keep fp64 state.
     """
 
-    _wide_state_keys = ("momentum_buffer",)
     update_spec = SGDUpdate()
 
     def __init__(self, params, lr: float | Tensor = 1e-3, momentum: float = 0, dampening: float = 0,
@@ -289,7 +288,6 @@ class Adam(_Bf16Rounding, AccumulatingOptimizer, torch.optim.Adam):
     them in the parameter dtype); fp64 parameters keep fp64 state. ``step`` is a CPU tensor.
     """
 
-    _wide_state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     update_spec = AdamUpdate()
 
     def __init__(self, params, lr: float | Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -453,20 +451,20 @@ class GradientAccumulator(AccumulatingOptimizer, torch.optim.Optimizer):
         self.optimizer.zero_grad(set_to_none)
 
     def __getstate__(self) -> dict[str, Any]:
-        checkpoint.refuse_copy(self)
-        # The watch for a DDP module (ddp.py) and the releases of what it owns belong to this
-        # object: a copy does not watch and owns nothing. (The backend cache holds modules.)
-        own = ("_ddp_watch", "_releases", "_backends")
+        checkpoint.refuse_copy(self, self._window)
+        # DDP's takeover (ddp.py) and the releases of what it owns belong to this object: a copy
+        # does not watch and owns nothing.
+        own = ("_ddp", "_releases")
         return {k: v for k, v in self.__dict__.items() if k not in own}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        checkpoint.restore_defaults(self.__dict__)
+        restore_defaults(self.__dict__)
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state_dict plus the ``"accumulation"`` entry (open window)."""
         guard.check_wrapped(self)
-        return checkpoint.state_dict(self, self.optimizer.state_dict())
+        return checkpoint.state_dict(self, self._window, self.optimizer.state_dict(), self.__dict__.get("_recovery"))
 
     def _init_state_for_checkpoint(self) -> None:
         self.optimizer.step()  # the zero gradients and lr 0 torch.distributed.checkpoint set
@@ -475,4 +473,4 @@ class GradientAccumulator(AccumulatingOptimizer, torch.optim.Optimizer):
         """Load our state_dict (mid-window resume) or a plain one of the inner optimizer."""
         state_dict, accumulation, by_id = checkpoint.split_accumulation_entry(self, state_dict)
         self.optimizer.load_state_dict(state_dict)
-        checkpoint.restore_window(self, accumulation, by_id)
+        checkpoint.restore_window(self, self._window, accumulation, by_id)

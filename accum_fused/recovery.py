@@ -295,7 +295,7 @@ def run_micro_batch(opt, win, batch, loss_fn: Callable, weight: float | None, sp
             state._after_micro_batch(win.update_count)
             return loss
         except Exception as exc:  # noqa: BLE001 (out-of-memory or not: decided here)
-            tell_transaction(opt, "transaction_failed")  # (the failed pass's forwards do not count)
+            tell_transaction(win, opt, "transaction_failed")  # (the failed pass's forwards do not count)
             # A failure in the window's update (it had begun: Window.close) is not the pass's: the
             # window is gone with it (Window.close), and retrying the micro-batch would make it
             # the first of a new window. Raised as it is.
@@ -391,7 +391,7 @@ def _run_plain(opt, win, parts: list[_Part], loss_fn, weight, total, step: Calla
     the end when split); then one step() takes the micro-batch."""
     for p in opt.update_spec.params(opt):
         p.grad = None
-    tell_transaction(opt, "transaction_begins")
+    tell_transaction(win, opt, "transaction_begins")
     if len(parts) == 1:
         win.transaction.part_serial += 1
         loss, w = _call(loss_fn, parts[0], weight, total)
@@ -426,7 +426,7 @@ def _run_in_backward(opt, win, parts: list[_Part], loss_fn, weight, total, progr
             part = parts[0]
             win.transaction.complete.clear()  # (the skipped parameters are the part's own: Window.transaction.complete)
             win.transaction.complete.update(part.done)
-            tell_transaction(opt, "transaction_begins")
+            tell_transaction(win, opt, "transaction_begins")
             win.transaction.part_serial += 1
             loss, w = _call(loss_fn, part, weight, total, summed=mode_a)
             win.transaction.parts_left = len(parts) - 1

@@ -195,23 +195,23 @@ def test_a_process_group_initialized_after_the_optimizer_is_checked_at_the_windo
     """Built before init_process_group outside a launcher (nothing watched): at the first window's
     close, a DDP module found wrapping the parameters is an error naming the fix (its per-backward
     all-reduce ran that window); none found: the optimizer watches from then on."""
-    from accum_fused import ddp, distributed
+    from accum_fused import distributed
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     model = torch.nn.Linear(3, 2)
     opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=2)
-    assert opt._ddp_watch is None and opt._ddp_unwatched
+    assert opt._ddp.watch is None and opt._ddp.unwatched
     monkeypatch.setattr(distributed, "several_processes", lambda: True)  # as after a later init (2 ranks)
     monkeypatch.setattr(distributed, "ddp_modules_holding", lambda params: [object()])
     with pytest.raises(RuntimeError, match="built before torch.distributed.init_process_group"):
-        ddp.window_closed(opt)
-    opt._ddp_unwatched = True
+        opt._ddp.window_closed(opt)
+    opt._ddp.unwatched = True
     monkeypatch.setattr(distributed, "ddp_modules_holding", lambda params: [])
     base = _global_forward_hooks()
     for _ in range(2):
         model(torch.ones(1, 3)).sum().backward()
         opt.step()
-    assert opt.update_count == 1 and not opt._ddp_unwatched and opt._ddp_watch is not None
+    assert opt.update_count == 1 and not opt._ddp.unwatched and opt._ddp.watch is not None
     assert _global_forward_hooks() == base + 1
     opt.close()
     assert _global_forward_hooks() == base

@@ -70,6 +70,7 @@ def test_compiled_model_with_eager_step(backend):
 def test_auto_warns_when_the_extension_does_not_load(monkeypatch):
     monkeypatch.setitem(backends._unavailable, "cpp", "ImportError: simulated")
     monkeypatch.delitem(backends._loaded, "cpp", raising=False)
+    monkeypatch.setattr(backends, "_resolved", {})
     monkeypatch.setattr(backends, "_warned_auto_fallback", False)
     with pytest.warns(UserWarning, match="slower reference backend.*cpp: ImportError: simulated"):
         module = backends.resolve("auto", torch.device("cpu"), torch.float32)
@@ -82,6 +83,7 @@ def test_auto_warns_when_the_extension_does_not_load(monkeypatch):
 def test_auto_does_not_warn_when_the_reference_is_the_right_choice(monkeypatch):
     if "cpp" not in accum_fused.available_backends():
         pytest.skip("needs the cpp extension")
+    monkeypatch.setattr(backends, "_resolved", {})
     monkeypatch.setattr(backends, "_warned_auto_fallback", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -475,7 +477,7 @@ def test_a_close_that_raises_does_not_leave_the_last_windows_updated():
     micro_batch()
     opt.step()
     assert opt.updated
-    opt._window_listeners.append(Raises())
+    opt._window.listeners.append(Raises())
     micro_batch(float("nan"))
     opt.zero_grad()
     for p in model.parameters():
@@ -485,7 +487,7 @@ def test_a_close_that_raises_does_not_leave_the_last_windows_updated():
         opt.step()
     del opt.found_inf
     assert not opt.updated
-    opt._window_listeners.clear()
+    opt._window.listeners.pop()
     micro_batch()
     opt.step()
     assert opt.updated

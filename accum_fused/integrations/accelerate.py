@@ -130,16 +130,16 @@ class AcceleratedAccumFusedOptimizer(AcceleratedOptimizer):
         last batch). bf16 autocast (``mixed_precision="bf16"``) needs nothing more; fp16's
         GradScaler is not supported by ``run`` yet."""
         from accum_fused import recovery
-        from accum_fused.base import _check_weight
+        from accum_fused.base import check_weight, window_of
         inner = self.optimizer
         if self.scaler is not None:
             raise NotImplementedError("opt.run() under accelerate's fp16 GradScaler is not supported yet: use "
                                       "mixed_precision='bf16', or the recipe's backward + step")
-        inner._check_open("run()")
+        win = window_of(inner, "run()")
         if weight is not None:
-            weight = _check_weight(weight)
+            weight = check_weight(weight)
         step = None if getattr(inner, "in_backward", False) else self.step
-        return recovery.run_micro_batch(inner, inner._window, batch, loss_fn, weight, split, step=step)
+        return recovery.run_micro_batch(inner, win, batch, loss_fn, weight, split, step=step)
 
     @property
     def step_was_skipped(self) -> bool:

@@ -42,10 +42,9 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import is_lazy
 
-from ..base import AccumulatingOptimizer
+from ..base import AccumulatingOptimizer, is_open, window_of
 from ..checkpoint import Unclaimed
 from ..optim import GradientAccumulator
-from ..window import window_listeners
 
 # The optimizer state_dict's entry: {qualified module name: _Record.to_state()}.
 STATE_KEY = "window_batchnorm"
@@ -256,7 +255,7 @@ class _Taken:
     def forward(self, input: Tensor) -> Tensor:
         m = self.module
         opt = self.optimizer()
-        if not m.training or opt is None or opt._closed or not torch.is_grad_enabled():
+        if not m.training or opt is None or not is_open(opt) or not torch.is_grad_enabled():
             # Eval mode reads the running statistics; without a window that can close (the
             # optimizer closed or collected) the module is its own again. A train-mode forward
             # under no_grad (a metric pass in train mode, precise-BN's recalibration) is no
@@ -283,7 +282,7 @@ class _Taken:
         if opt is not None:  # (a compiled graph may outlive the optimizer)
             # (a part of a micro-batch that opt.run split records as a micro-batch of its own:
             # its calls pool into the same calls; recovery.py counts parts in part_serial)
-            win = opt._window
+            win = window_of(opt)
             self.record.add(self.name, (win.micro_step, win.transaction.part_serial), _moments(input))
 
 
@@ -392,8 +391,9 @@ class WindowBatchNorm:
                 del t.module.forward
         self._taken.clear()
         opt = self._optimizer()
-        if opt is not None and self in opt._window_listeners:
-            opt._window_listeners.remove(self)
+        listeners = [] if opt is None else window_of(opt).listeners
+        if self in listeners:
+            listeners.remove(self)
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -465,8 +465,8 @@ def window_batchnorm(model: nn.Module, opt) -> WindowBatchNorm:
             f"window_batchnorm needs an accum_fused optimizer (SGD, Adam, AdamW, GradientAccumulator), got "
             f"{type(opt).__name__}: it updates the running statistics when that optimizer's window closes"
         )
-    opt._check_open("window_batchnorm()")
-    if opt._window.shards is not None:
+    listeners = window_of(opt, "window_batchnorm()").listeners
+    if window_of(opt).shards is not None:
         raise ValueError("window_batchnorm does not support FSDP2 (DTensor parameters) yet")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -500,16 +500,15 @@ def window_batchnorm(model: nn.Module, opt) -> WindowBatchNorm:
                "(track_running_stats=False)" if untracked else "it has no nn.BatchNorm1d/2d/3d module")
         raise ValueError(f"window_batchnorm found nothing to take in this {type(model).__name__}: {why}; pass the "
                          "model whose BatchNorm layers should keep the window's running statistics")
-    others = [h for h in opt._window_listeners if isinstance(h, WindowBatchNorm)]
+    others = [h for h in listeners if isinstance(h, WindowBatchNorm)]
     if others:
         raise ValueError(f"this {type(opt).__name__} has a window_batchnorm handle already (taking {others[0].names}): "
                          "remove() it first, or take the whole model in one call")
     # The open window's statistics of a checkpoint loaded before this call, waiting to be claimed.
-    waiting = [w for w in opt._window_listeners if isinstance(w, Unclaimed) and w.key == STATE_KEY]
+    waiting = [w for w in listeners if isinstance(w, Unclaimed) and w.key == STATE_KEY]
     records = _parse_entry(taken, waiting[0].entry) if waiting else {}
     # After every check: a refused call changes nothing.
     handle = WindowBatchNorm(taken, opt)
-    listeners = window_listeners(opt)
     for w in waiting:
         listeners.remove(w)
     listeners.append(handle)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import in_backward
+from ..base import hooks_of, window_of
 from ..layout import kernel_view
 
 
@@ -140,14 +141,14 @@ class _Fused:
             param.data_ptr() == saved.data_ptr() and param.shape == saved.shape))
         # A collected or closed optimizer takes nothing: the gradient lands in .grad, as after
         # close() without fused layers.
-        live = opt is not None and not opt._closed
+        hooks = None if opt is None else hooks_of(opt)
         # (the pass's later gradients, where the extension's hooks are armed; else, and for the
         # pass's first, Python's take_written, the spec)
-        fast = opt._hooks.fast_path if live else None
-        if live and same and fast is not None and gradient.write_in_extension(fast, param):
+        fast = None if hooks is None else hooks.fast_path
+        if same and fast is not None and gradient.write_in_extension(fast, param):
             return None
         with torch.no_grad():
-            taken = live and same and in_backward.take_written(opt._hooks, param, gradient)
+            taken = hooks is not None and same and in_backward.take_written(hooks, param, gradient)
         return None if taken else gradient.tensor()
 
 
@@ -180,8 +181,7 @@ def fuse_linear_gradients(model: nn.Module, opt) -> FusedLinearHandle:
             "fuse_linear_gradients needs an optimizer with in_backward=True: the plain mode reads .grad after "
             "backward, which a fused layer never materialises"
         )
-    opt._check_open("fuse_linear_gradients")
-    if opt._window.spans_ranks:
+    if window_of(opt, "fuse_linear_gradients").spans_ranks:
         raise ValueError("fuse_linear_gradients does not support several processes (process_group, DDP, FSDP2) yet")
     owned = set(opt.update_spec.params(opt))
     users: dict[int, list[str]] = {}

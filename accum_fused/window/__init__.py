@@ -10,10 +10,10 @@ reaches it through the optimizer):
   plan (the update's per-group lists, kept between closes);
 - ``close.py``: the close (sync -> found-inf -> clip -> update) and the window's listeners.
 """
-from .close import WindowListeners, tell_transaction, window_listeners
+from .close import WindowListeners, tell_transaction
 from .state import Window
 from .plain import add_micro_batch, take_with_table
 from .table import Route, StepTable, UpdatePlan, route
 
 __all__ = ["Route", "StepTable", "UpdatePlan", "Window", "WindowListeners", "add_micro_batch", "route",
-           "take_with_table", "tell_transaction", "window_listeners"]
+           "take_with_table", "tell_transaction"]

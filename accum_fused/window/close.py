@@ -5,9 +5,9 @@ Owns: ``close`` (a Window's, with its optimizer: the update is its update spec's
 (update.py), or the step table's plan), the agreement with the other ranks (``agree``:
 distributed.WindowSync, ShardSync), the clip coefficient (``clip_coefficient``, ``clip_for``),
 and the window's listeners: whoever must learn that a window ended (accum_fused.nn's BatchNorm
-statistics) registers on the optimizer's ``_window_listeners`` (``WindowListeners``): close and
-Window.abandon tell them, and opt.run() tells them when a pass it may retry begins and when it
-failed (``tell_transaction``).
+statistics, ddp.py's watch for a DDP module) registers on the window's ``listeners``
+(``WindowListeners``): close and Window.abandon tell them, and opt.run() tells them when a pass
+it may retry begins and when it failed (``tell_transaction``).
 Must not: keep state of its own (the window is the state) or do per-element math (backends do).
 """
 from __future__ import annotations
@@ -18,21 +18,18 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
-from .. import ddp
 from ..layout import kernel_view
 
 
 class WindowListeners(list):
-    """The optimizer's ``_window_listeners``: objects told, in order, when its window ends.
+    """A window's ``listeners``: objects told, in order, when the window ends.
     ``window_closed(opt, applied)``: the window closed (``applied``: an update was applied;
     False: skipped for non-finite gradients, or empty); with a process_group every rank closes
     it together, so a listener may run a collective there. ``window_discarded(opt)``: a window
     that held micro-batches was emptied without closing (a failed backward pass that cannot be
-    taken back out, mode A's ``zero_grad()``). A copy of the optimizer (deepcopy, pickle) starts
-    with none: listeners belong to a model, and a copy must not carry the model along."""
-
-    def __reduce__(self):
-        return type(self), ()
+    taken back out, mode A's ``zero_grad()``). A copy of the window (the optimizer's deepcopy,
+    pickle) starts with none: listeners belong to a model or a process, and a copy must not carry
+    them along."""
 
 
 def close(win, opt, last_pairs=(), last_weight: float = 1.0, grad_scale: Tensor | None = None,
@@ -67,8 +64,7 @@ def close(win, opt, last_pairs=(), last_weight: float = 1.0, grad_scale: Tensor 
         win.discard()
         # (set before the listeners run: one that raises must not leave the last window's value)
         win.updated = closed and applied
-        ddp.window_closed(opt)
-        tell_listeners(opt, closed, applied)  # (an update that raised: the window is lost)
+        tell_listeners(win, opt, closed, applied)  # (an update that raised: the window is lost)
     return applied
 
 
@@ -145,28 +141,18 @@ def clip_for(win, opt, total_norm: Tensor) -> Tensor:
     return torch.clamp(opt.max_grad_norm / (total_norm + 1e-6), max=1.0)
 
 
-def window_listeners(opt) -> WindowListeners:
-    """``opt._window_listeners``, to register on. A copy of an optimizer (or one pickled before
-    listeners) may have a plain list (checkpoint.restore_defaults): it becomes a WindowListeners
-    here, so that copies of the copy carry no listener either."""
-    listeners = opt._window_listeners
-    if type(listeners) is not WindowListeners:
-        listeners = opt._window_listeners = WindowListeners(listeners)
-    return listeners
-
-
-def tell_transaction(opt, event: str) -> None:
+def tell_transaction(win, opt, event: str) -> None:
     """recovery.py: a pass of opt.run() begins ("transaction_begins") or failed
     ("transaction_failed"); listeners that record per forward (accum_fused.nn) take it back."""
-    for listener in list(getattr(opt, "_window_listeners", ())):
+    for listener in list(win.listeners):
         told = getattr(listener, event, None)
         if told is not None:
             told(opt)
 
 
-def tell_listeners(opt, closed: bool, applied: bool = False) -> None:
+def tell_listeners(win, opt, closed: bool, applied: bool = False) -> None:
     """The window ended: closed (``applied`` or not) or given up; see WindowListeners."""
-    for listener in list(getattr(opt, "_window_listeners", ())):
+    for listener in list(win.listeners):
         if closed:
             listener.window_closed(opt, applied)
         else:

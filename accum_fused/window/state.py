@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..layout import fits, kernel_view, state_dtype
-from .close import close, tell_listeners
+from .close import WindowListeners, close, tell_listeners
 from .table import StepTable, UpdatePlan, conform_optimizer_state
 
 # Weights are kept in units of 2**shift, shift a multiple of _WEIGHT_BAND, so that any finite
@@ -170,10 +170,12 @@ class Window:
         # next window adopts or writes fresh ones (resident 12 B/param for fp32 AdamW, as the
         # native loop after zero_grad, instead of 16).
         self.adopted: set[Tensor] = set()
+        self.listeners = WindowListeners()  # told when the window ends (close.WindowListeners)
 
     def __getstate__(self) -> dict:
-        # (the fast paths' mirrors are not picklable: a copy builds its own)
-        return {**self.__dict__, "caches": Mirrors()}
+        # (the fast paths' mirrors are not picklable: a copy builds its own; nor are listeners
+        # carried: see WindowListeners)
+        return {**self.__dict__, "caches": Mirrors(), "listeners": WindowListeners()}
 
     def __setstate__(self, state: dict) -> None:
         # A window pickled before these records has their fields flat (or, before out-of-memory
@@ -181,7 +183,8 @@ class Window:
         if not isinstance(state.get("transaction", Transaction()), Transaction):
             state["active"] = state.pop("transaction")
         flat = {name: state.pop(name) for name in (*_FLAT_FIELDS, *Mirrors.__slots__, *_OLD_MIRRORS) if name in state}
-        self.__dict__.update(passes=PassRecords(), transaction=Transaction(), caches=Mirrors())
+        self.__dict__.update(passes=PassRecords(), transaction=Transaction(), caches=Mirrors(),
+                             listeners=WindowListeners())
         self.__dict__.update(state)
         for name, value in flat.items():
             record, field = _FLAT_FIELDS.get(name, (None, None))
@@ -451,10 +454,10 @@ class Window:
 
     def abandon(self, opt) -> None:
         """Give the open window up without closing it (mode A's zero_grad(), a failed backward
-        pass that cannot be taken back out): discarded, and, when it held micro-batches, the
-        optimizer's listeners told. An empty window is not told about: mode A's zero_grad()
+        pass that cannot be taken back out): discarded, and, when it held micro-batches, its
+        listeners told. An empty window is not told about: mode A's zero_grad()
         between a forward and its backward (a common loop) gives nothing up."""
         held = self.micro_step > 0 or bool(self.live)
         self.discard()
         if held:
-            tell_listeners(opt, closed=False)
+            tell_listeners(self, opt, closed=False)
