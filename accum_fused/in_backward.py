@@ -183,6 +183,7 @@ class FastPath:
         self._extension = extension
         self.params: list[Tensor] = []  # by slot
         self.slot_of: dict[Tensor, int] = {}
+        self.routes: list = []  # by slot: each row's route (window.table.Route), as build_rows decided it
         self.built = 0  # rows built by the Python loop over the parameters (tests count them)
         self._slots_of: tuple | None = None  # (parameters, their slots): slots_of
         self.dict_handles: list[_DictHookHandle] = []  # hooks in a dict of Python hooks (rehook_dropped)
@@ -229,16 +230,10 @@ class FastPath:
         epoch is -1): each parameter's route (window.table.route, with by_torch_ops: decided
         there, executed by the extension) and its window state (buffer, live, adopted)."""
         from .window import route
-        eligible, adopt, torch_ops, buffers, live, adopted = [], [], [], [], [], []
-        for p in self.params:
-            routed = route(opt, win, p, by_torch_ops(p))
-            eligible.append(routed.takes)
-            adopt.append(routed.adopts)
-            torch_ops.append(routed.torch_ops)
-            buffers.append(win.buffers.get(p))
-            live.append(p in win.live)
-            adopted.append(p in win.adopted)
-        self.state.set_rows(self.params, eligible, adopt, torch_ops, buffers, live, adopted)
+        routes = self.routes = [route(opt, win, p, by_torch_ops(p)) for p in self.params]
+        self.state.set_rows(self.params, [r.takes for r in routes], [r.adopts for r in routes],
+                            [r.torch_ops for r in routes], [win.buffers.get(p) for p in self.params],
+                            [p in win.live for p in self.params], [p in win.adopted for p in self.params])
         self.state.epoch = win.caches.epoch
         self.built += 1
 
@@ -271,7 +266,6 @@ class FastPath:
         """Arm a pass that folds each parameter's update into its hook, parameter by parameter:
         what ``_FoldArgs`` finds for each (its group update, state and step count); gradients
         added by torch's ops go in as their rows say (no update is folded there)."""
-        from .window import route
         opt, win = hooks.optimizer(), hooks.window
         fold = _FoldArgs(hooks.group_of)
         fold.read_step_counts(opt, self.params)
@@ -280,7 +274,7 @@ class FastPath:
         for slot, p in enumerate(self.params):
             if p is first or p in complete:
                 continue
-            routed = route(opt, win, p, by_torch_ops(p))
+            routed = self.routes[slot]  # (arm built the rows: they are true to the window)
             buf = win.buffers.get(p)
             if not routed.takes:
                 mode = None

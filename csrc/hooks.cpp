@@ -144,11 +144,8 @@ struct Slot {
   bool eligible = false;   // the hooks may take its gradients (a plain tensor on the cpp backend or torch's ops)
   bool may_adopt = false;  // a first gradient of a window may become its buffer (zero-copy)
   bool torch_ops = false;  // its gradients go in through torch's ops, not the kernels (by_torch_ops)
-  // What the route was decided for: the parameter's dtype, device and contiguity (a parameter
-  // cast or moved since, `model.to(...)` between windows, makes the rows stale: route_stands).
-  at::ScalarType dtype = at::ScalarType::Undefined;
-  c10::Device device{c10::kCPU};
-  bool contiguous = false;
+  // What the route was decided for (a parameter changed since makes the rows stale: route_stands).
+  BuiltFor built_for;
   // ... and its window state.
   Tensor buffer;  // undefined: none yet
   bool live = false;
@@ -234,9 +231,7 @@ struct HookState : std::enable_shared_from_this<HookState> {
                 "set_rows: one row per slot");
     for (size_t i = 0; i < n; ++i) {
       Slot& s = slots[i];
-      s.dtype = params[i].scalar_type();
-      s.device = params[i].device();
-      s.contiguous = params[i].is_contiguous();
+      s.built_for = BuiltFor(params[i]);
       s.eligible = eligible[i];
       s.may_adopt = may_adopt[i];
       s.torch_ops = torch_ops[i];
@@ -265,9 +260,7 @@ struct HookState : std::enable_shared_from_this<HookState> {
   // the row and the rows are stale (epoch -1: in_backward.FastPath builds them anew at the next
   // pass), as a layout change the window saw would have made them.
   bool route_stands(Slot& s, const Tensor& param) {
-    if (param.scalar_type() == s.dtype && param.device() == s.device && param.is_contiguous() == s.contiguous) {
-      return true;
-    }
+    if (s.built_for.stands(param)) return true;
     epoch = -1;
     return false;
   }

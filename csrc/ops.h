@@ -62,8 +62,23 @@ at::ScalarType state_dtype(at::ScalarType param);
 // a buffer or state tensor that still fits its parameter (layout.fits): dtype, device, shape;
 bool fits(const at::Tensor& t, const at::Tensor& param);
 // a window's first gradient that can become its buffer (layout.adoptable, for plain tensors;
-// whether anything else holds it is the caller's).
+// whether anything else holds it is the caller's);
 bool adoptable(const at::Tensor& grad, const at::Tensor& param);
+// what a fast path's row was built for: its parameter's dtype, device, shape and contiguity. A
+// parameter cast, moved or resized since (`p.data = ...`, `model.to(...)` between windows) is
+// handed to the spec, which follows or refuses it with its own messages.
+struct BuiltFor {
+  at::ScalarType dtype = at::ScalarType::Undefined;
+  c10::Device device{c10::kCPU};
+  std::vector<int64_t> shape;
+  bool contiguous = false;
+  BuiltFor() = default;
+  explicit BuiltFor(const at::Tensor& p)
+      : dtype(p.scalar_type()), device(p.device()), shape(p.sizes().vec()), contiguous(p.is_contiguous()) {}
+  bool stands(const at::Tensor& p) const {
+    return p.scalar_type() == dtype && p.device() == device && p.sizes() == shape && p.is_contiguous() == contiguous;
+  }
+};
 
 void register_hooks(pybind11::module& m);
 void register_step_table(pybind11::module& m);  // step_table.cpp

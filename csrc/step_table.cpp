@@ -59,12 +59,9 @@ struct StepTable {
   std::vector<py::object> objects;  // the parameters as Python objects (identity checks)
   std::vector<Tensor> params;
   std::vector<Tensor> buffers;  // undefined: none yet
-  // Each parameter's dtype, device and shape when the table was built: one that changed since
-  // (`p.data = ...`, a resize or move between windows) is Window.conform's and conform_state's to
-  // refuse or follow, with the spec's message; the table hands it back (fits, conforms).
-  std::vector<at::ScalarType> param_dtypes;
-  std::vector<at::Device> param_devices;
-  std::vector<std::vector<int64_t>> param_shapes;
+  // Each parameter as the table was built for it: one changed since is Window.conform's and
+  // conform_state's to refuse or follow; the table hands it back (fits, conforms).
+  std::vector<BuiltFor> built_for;
   std::vector<char> live;
   std::vector<char> adopted;  // buffers[i] is an adopted gradient: let go of when the window ends
   // Its route, decided in Python (window.table.route): a first gradient may become its buffer
@@ -87,9 +84,7 @@ struct StepTable {
       Tensor p = obj.cast<Tensor>();
       objects.push_back(obj);
       index_of[p.unsafeGetTensorImpl()] = static_cast<int64_t>(i);
-      param_dtypes.push_back(p.scalar_type());
-      param_devices.push_back(p.device());
-      param_shapes.push_back(p.sizes().vec());
+      built_for.emplace_back(p);
       params.push_back(std::move(p));
       buffers.push_back(bufs[i].value_or(Tensor()));
       TORCH_CHECK(!live_now[i] || buffers.back().defined(), "StepTable: a live parameter without a buffer");
@@ -119,7 +114,7 @@ struct StepTable {
     const Tensor& p = params[i];
     const Tensor& b = buffers[i];
     if (!kernel_grad(g)) return false;
-    if (!unchanged(i)) return false;  // the parameter changed: Window.conform's work
+    if (!built_for[i].stands(p)) return false;  // the parameter changed: Window.conform's work
     if (!b.defined()) {
       // take gives it one: the gradient itself or a contiguous fp32 buffer (Window.buffer's, for
       // a contiguous parameter of a kernel dtype); anything else is Window.buffer's to allocate.
@@ -329,17 +324,12 @@ struct StepTable {
     }
   }
 
-  bool unchanged(size_t i) const {
-    const Tensor& p = params[i];
-    return p.scalar_type() == param_dtypes[i] && p.device() == param_devices[i] && p.sizes() == param_shapes[i];
-  }
-
   // Whether every parameter is as when the table was built and every buffer still fits it
-  // (Window.conform and conform_state would change nothing): same dtype, device and shape.
+  // (Window.conform and conform_state would change nothing).
   bool conforms() const {
     for (size_t i = 0; i < params.size(); ++i) {
       const Tensor& b = buffers[i];
-      if (!unchanged(i) || (b.defined() && !accum_fused::fits(b, params[i]))) {
+      if (!built_for[i].stands(params[i]) || (b.defined() && !accum_fused::fits(b, params[i]))) {
         return false;
       }
     }
