@@ -360,7 +360,7 @@ class FastPath:
             params, param_set = self._params_of_adopted(adopted)
             mb.taken_slots.update(adopted)
             mb.started |= param_set
-            win.adopt_many(params, grads, param_set)
+            win.adopt(params, grads, param_set)
         for slot, norm in zip(written, written_norms):  # (a stale buffer overwritten: the window's first gradient)
             p = self.params[slot]
             mb.seen.add(p)
@@ -916,7 +916,7 @@ def _add_to_window(hooks: Hooks, p: Tensor, grad, mb: BackwardPass, again: bool)
             if mb.weight != 1.0:  # (in place: the copying overwrite's product, g * w, bit for bit)
                 _one_gradient_backend(opt, p).accumulate(grads=[kernel_view(grad)], buffers=[kernel_view(grad)],
                                                weight=mb.weight, overwrite=True)
-            win.adopt(p, grad)
+            win.adopt([p], [grad])
             mb.completed.add(p)
             return
     else:

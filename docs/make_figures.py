@@ -4,6 +4,9 @@
   k=4 over 10 micro-batches of uneven sizes. The script runs each loop with the real optimizer
   and records, after every call, where the micro-batch's gradient went and where an update was
   applied (``opt.updated``, ``opt.update_count``); the picture is drawn from those records.
+- ``docs/images/window_states.svg``: a window's life: empty, open while micro-batches add into
+  it, and its close (the ranks' sums, the non-finite check, clipping, the update), in the order
+  ``accum_fused/window/close.py`` runs them (``CLOSE_STEPS``; the test checks that order there).
 - ``docs/images/memory_window.svg``: memory over one window, the native loop against plain, mode A
   and mode B, fp32 and bf16 parameters, from the memory benchmark's measured phases
   (``MEMORY_RESULTS``: ``benchmarks/bench_memory.py``'s JSON, live tensor bytes at the start,
@@ -168,6 +171,72 @@ def draw(path: Path) -> None:
     plt.close(fig)
 
 
+# The close's steps, in close.py's order (tests/test_docs_figures.py reads them there).
+CLOSE_STEPS = ["all-reduce sums\nand weights\n(ranks only)", "non-finite\nanywhere?",
+               "clip to\nmax_grad_norm\n(if set)", "update with\nΣ w·g / Σ w"]
+
+
+def draw_states(path: Path) -> None:
+    """A window's states (top) and its close (down the right column); the lanes on the left go
+    back to empty."""
+    import matplotlib
+    matplotlib.use("Agg")
+    matplotlib.rcParams["svg.hashsalt"] = "accum_fused"
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch
+
+    width, height = 2.6, 1.0
+    places = [(0.0, 0.0), (4.4, 0.0)] + [(4.4, -1.9 - 1.75 * i) for i in range(len(CLOSE_STEPS))]
+    fig, ax = plt.subplots(figsize=(6.2, 7.4))
+    for i, ((x, y), text) in enumerate(zip(places, ["empty", "open"] + CLOSE_STEPS)):
+        state = i < 2
+        h = height if state or text.count("\n") < 2 else height * 1.25
+        ax.add_patch(FancyBboxPatch((x - width / 2, y - h / 2), width, h,
+                                    boxstyle=f"round,pad=0.02,rounding_size={0.2 if state else 0.05}",
+                                    facecolor="#c9d6e3" if state else "#f1f1f1", edgecolor="#4a5a6a", lw=1.0))
+        ax.text(x, y, text, ha="center", va="center", fontsize=12 if state else 10,
+                fontweight="bold" if state else "normal")
+
+    def line(points, colour="#333333"):
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, color=colour, lw=1.3)
+        ax.annotate("", xy=points[-1], xytext=points[-2],
+                    arrowprops=dict(arrowstyle="-|>", color=colour, lw=1.3, shrinkA=0, shrinkB=0))
+
+    def label(x, y, text, colour="#222222", ha="center"):
+        ax.text(x, y, text, ha=ha, va="center", fontsize=9.5, color=colour,
+                bbox=dict(facecolor="white", edgecolor="none", pad=1.5))
+
+    (ex, ey), (ox, oy) = places[0], places[1]
+    half = width / 2
+    line([(ex + half, ey), (ox - half, oy)])
+    label((ex + ox) / 2, ey + 0.45, "first micro-batch\nbuf = w·g")
+    top = oy + height / 2
+    line([(ox + 0.6, top), (ox + 0.6, top + 0.45), (ox - 0.6, top + 0.45), (ox - 0.6, top)])
+    label(ox, top + 0.75, "each later micro-batch: buf += w·g")
+    steps = places[1:]
+    for (x, y0), (_, y1) in zip(steps, steps[1:]):
+        line([(x, y0 - 0.5 - (0.13 if y0 < -1 else 0)), (x, y1 + 0.5 + 0.13)])
+    label(ox + 0.2, (steps[0][1] + steps[1][1]) / 2, "k-th micro-batch or flush()", ha="left")
+    label(ox + 0.2, (steps[2][1] + steps[3][1]) / 2, "no", ha="left")
+    # Back to empty, each along a lane of its own: discarded, skipped, updated.
+    bottom = ey - height / 2
+    line([(ox - 0.8, bottom), (ox - 0.8, bottom - 0.45), (ex + 0.8, bottom - 0.45), (ex + 0.8, bottom)], "#8a6d1f")
+    label((ex + ox) / 2, bottom - 0.45, "discarded (see below)", "#8a6d1f")
+    for (x, y), into, colour, text in [(places[3], ex, "#b23a48", "yes: skipped,\nnothing changes"),
+                                       (places[-1], ex - 0.8, "#2a7a3a", "updated: the buffers\nare empty again")]:
+        line([(x - half, y), (into, y), (into, bottom)], colour)
+        label((into + x - half) / 2 + 0.3, y + 0.45, text, colour)
+    ax.set_xlim(ex - half - 0.1, ox + half + 0.1)
+    ax.set_ylim(places[-1][1] - 0.8, top + 1.1)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    fig.subplots_adjust(left=0.01, right=0.99, top=0.99, bottom=0.01)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="svg", metadata={"Date": None}, bbox_inches="tight")
+    plt.close(fig)
+
+
 def memory_curves(results: dict) -> dict[str, dict[str, tuple[list[float], list[float]]]]:
     """Per dtype and contender (native, plain, mode A, mode B): the window's live bytes per
     parameter, three points per phase (its start, peak, end), x in phases."""
@@ -280,6 +349,7 @@ def draw_performance(path: Path) -> None:
 
 if __name__ == "__main__":
     draw(OUT / "window_timeline.svg")
+    draw_states(OUT / "window_states.svg")
     draw_memory(OUT / "memory_window.svg")
     draw_performance(OUT / "performance_summary.svg")
     print(f"wrote the pictures into {OUT}")

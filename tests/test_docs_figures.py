@@ -89,3 +89,22 @@ def test_the_performance_picture_is_drawn(tmp_path):
     assert (ROOT / "docs" / "images" / "performance_summary.svg").is_file()
     make_figures.draw_performance(tmp_path / "performance_summary.svg")
     assert (tmp_path / "performance_summary.svg").stat().st_size > 10_000
+
+
+def test_the_window_states_picture_shows_the_close_in_close_pys_order(tmp_path):
+    """The close's boxes (CLOSE_STEPS) are close.close's calls, in its order: the ranks' sums and
+    the non-finite check (agree), clipping (clip_coefficient), the update (update_spec.apply)."""
+    import inspect
+
+    from accum_fused.window import close
+    source = inspect.getsource(close.close)
+    calls = ["agree(", "clip_coefficient(", "update_spec.apply("]
+    assert [source.index(call) for call in calls] == sorted(source.index(call) for call in calls)
+    assert [step.split("\n")[0] for step in make_figures.CLOSE_STEPS] == [
+        "all-reduce sums", "non-finite", "clip to", "update with"]
+    source = inspect.getsource(close.agree)
+    assert source.index("reduce_window(") < source.index("found_inf")  # (the sums first, then the check)
+    pytest.importorskip("matplotlib")
+    assert "<svg" in (ROOT / "docs" / "images" / "window_states.svg").read_text(encoding="utf-8")[:500]
+    make_figures.draw_states(tmp_path / "window_states.svg")
+    assert (tmp_path / "window_states.svg").stat().st_size > 5_000

@@ -361,14 +361,10 @@ class Window:
         window (in_backward.FastPath): the buffer is live."""
         self.live.add(p)
 
-    def adopt(self, p: Tensor, grad: Tensor) -> None:
-        """Zero-copy first micro-batch: autograd's fresh gradient becomes ``p``'s buffer (a
-        stale buffer it had is dropped)."""
-        self.adopt_many([p], [grad])
-
-    def adopt_many(self, params: list[Tensor], grads: list[Tensor], param_set: set[Tensor] | None = None) -> None:
-        """``adopt`` for each of ``params`` (the extension's hooks adopted them in one pass).
-        ``param_set``: the same parameters as a set, whose hashes the set updates reuse. Only
+    def adopt(self, params: list[Tensor], grads: list[Tensor], param_set: set[Tensor] | None = None) -> None:
+        """Zero-copy first micro-batch: autograd's fresh gradients become ``params``' buffers (a
+        stale buffer one had is dropped). ``param_set``: the same parameters as a set, whose
+        hashes the set updates reuse (the extension's hooks adopted them in one pass). Only
         in_backward's hooks adopt, and they keep the extension's rows true themselves (the
         extension adopted them, or in_backward's python_took writes its row): no new epoch."""
         self.buffers.update(zip(params, grads))
