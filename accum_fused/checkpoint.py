@@ -181,8 +181,9 @@ def _window_inside_state(opt, win, state_dict: dict[str, Any]) -> dict[str, Any]
     del entry["grads_held"]  # False: refused above
     from torch.distributed.tensor import DTensor, Shard
     mesh = win.shards.mesh
-    entry["rank_weights"] = DTensor.from_local(
-        torch.tensor(local, dtype=torch.float64, device=mesh.device_type), mesh, [Shard(0)], run_check=False)
+    entry["rank_weights"] = DTensor.from_local(  # (one shard per rank also on HSDP's 2-D mesh)
+        torch.tensor(local, dtype=torch.float64, device=mesh.device_type), mesh, [Shard(0)] * mesh.ndim,
+        run_check=False)
     groups = [dict(group) for group in state_dict["param_groups"]]
     groups[0]["accumulation"] = {key: value.item() if isinstance(value, Tensor) and not is_dtensor(value) else value
                                  for key, value in entry.items() if key != "buffers"}

@@ -533,10 +533,12 @@ class WindowSync:
 
 
 def shard_mesh(params: list[Tensor], owner: str):
-    """The one 1-D device mesh that FSDP2 (``fully_shard``) sharded ``params`` over, checked:
-    accum_fused's window math for DTensor parameters assumes FSDP2's layout (every parameter a
-    ``Shard`` of one data-parallel mesh, gradients averaged over it)."""
-    from torch.distributed.tensor import DTensor, Shard
+    """The one device mesh that FSDP2 (``fully_shard``) sharded ``params`` over, checked:
+    accum_fused's window math for DTensor parameters assumes FSDP2's layouts, where every mesh
+    dimension is data-parallel and the gradients are averaged over all of its ranks: a 1-D mesh
+    (every parameter a ``Shard``), or HSDP's 2-D one (``Replicate`` over the replicas, ``Shard``
+    within each)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
     problems = []
@@ -545,10 +547,15 @@ def shard_mesh(params: list[Tensor], owner: str):
     if any(not isinstance(p, DTensor) for p in params):
         problems.append("a mix of DTensor and plain parameters (shard the whole model with fully_shard)")
     mesh = next(iter(meshes))
-    if mesh.ndim != 1:
-        problems.append(f"a {mesh.ndim}-D device mesh (HSDP / tensor parallel are not supported yet; FSDP2 "
-                        "on a 1-D mesh is)")
-    if any(not all(isinstance(pl, Shard) for pl in p.placements) for p in params if isinstance(p, DTensor)):
+    # (type, not isinstance: tensor parallel + FSDP2 shards with Shard's subclass _StridedShard)
+    layouts = {tuple(type(pl) for pl in p.placements) for p in params if isinstance(p, DTensor)}
+    if mesh.ndim > 2:
+        problems.append(f"a {mesh.ndim}-D device mesh (FSDP2 on a 1-D mesh and HSDP on a 2-D one are supported; "
+                        "tensor parallel is not yet)")
+    elif mesh.ndim == 2 and layouts != {(Replicate, Shard)}:
+        problems.append("placements on a 2-D device mesh other than HSDP's (Replicate(), Shard(0)) (tensor "
+                        "parallel is not supported yet)")
+    elif mesh.ndim == 1 and layouts != {(Shard,)}:
         problems.append("placements other than Shard (replicate() / tensor parallel are not supported yet)")
     if problems:
         raise NotImplementedError(f"{owner} got DTensor parameters with {'; '.join(problems)}")
@@ -574,8 +581,13 @@ class ShardSync:
     def __init__(self, mesh, owner: str):
         self.mesh = mesh
         self.owner = owner
-        self.group = mesh.get_group()
+        # Every rank of the mesh is data-parallel: FSDP2 averages the gradients over all N of
+        # them (HSDP: reduce-scattered within a replica, then all-reduced over the replicas).
         self.size = mesh.size()
+        # The agreement's all-reduce: over the shards (the last mesh dimension), then, with HSDP,
+        # over the replicas, which hold the same shards: their norm is counted once.
+        self.groups = [mesh.get_group(dim) for dim in reversed(range(mesh.ndim))]
+        self.counts_norm = mesh.ndim == 1 or mesh.get_local_rank(0) == 0
 
     @torch.no_grad()
     def agree(self, live: list[Tensor], buffers: dict[Tensor, Tensor], backend_for, device: torch.device,
@@ -621,7 +633,10 @@ class ShardSync:
         meta = torch.tensor([weight_sum, float(flushing), 0.0] + late, dtype=torch.float64).to(device)
         if sq_norm is not None:
             meta[2:3] += sq_norm.to(torch.float64).reshape(1)
-        dist.all_reduce(meta, group=self.group)
+        for group in self.groups:
+            if group is not self.groups[0] and not self.counts_norm:
+                meta[2] = 0.0
+            dist.all_reduce(meta, group=group)
         values = meta.tolist()
         total, flushers = values[0], values[1]
         if 0 < flushers < self.size:

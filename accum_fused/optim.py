@@ -250,7 +250,7 @@ class AdamUpdate(UpdateSpec):
         return step_count(step, known) + 1  # (``update`` adds one to every step count first)
 
     def uniform_call_key(self, opt, lists: dict[str, list]) -> bool:
-        cpp = backends._load("cpp")
+        cpp = backends.extension()
         equal = None if cpp is None else cpp.equal_scalars(lists["steps"])  # (CPU step counts: no stack)
         if equal is not None:
             return equal

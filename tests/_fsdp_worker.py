@@ -1,9 +1,11 @@
-"""One rank of the two-process FSDP2 tests (tests/test_fsdp2.py starts two of these).
+"""One rank of the FSDP2 tests (tests/test_fsdp2.py starts 2 or 4 of these).
 
     python tests/_fsdp_worker.py RANK WORLD_SIZE PORT OUT_DIR
 
-Runs every scenario of ``SCENARIOS`` on every backend that loads, with the model sharded by
-``fully_shard`` over 2 gloo ranks, against the single-process big batch over both ranks'
+With 2 ranks: every scenario of ``SCENARIOS`` on every backend that loads, the model sharded by
+``fully_shard`` over a 1-D mesh. With 4: HSDP, a 2-D mesh of 2 replicas of 2 shards each
+(``HSDP_SCENARIOS``, on the cpp backend or, without it, the reference: the agreement under test is
+the same on every backend). Each against the single-process big batch over every rank's
 micro-batches (plain torch.optim, clip_grad_norm_), computed here from the same seeded data;
 writes {"<scenario>-<name>[<backend>]": "ok" | failure text} to OUT_DIR/rank<RANK>.json.
 
@@ -21,16 +23,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import accum_fused
-from _helpers import run_worker_cases, worker_case_ids
+from _helpers import cpu_skip_reason, run_worker_cases, worker_case_ids
 
 K = 3
 CLIP = 0.5
 SEQ = 4
 # SIZES[rank][i]: rows of rank's i-th micro-batch (7 each: windows of 3, 3 and a partial 1).
-SIZES = ((3, 1, 5, 2, 4, 1, 2), (2, 4, 1, 1, 1, 3, 5))
+SIZES = ((3, 1, 5, 2, 4, 1, 2), (2, 4, 1, 1, 1, 3, 5), (1, 2, 2, 5, 1, 4, 3), (4, 3, 1, 2, 3, 2, 1))
+RANKS = 2  # this run's world size (main)
+MESH = None  # None: fully_shard's default 1-D mesh; with 4 ranks HSDP's (replicate 2, shard 2)
 
 
 class Block(nn.Module):
@@ -51,8 +56,8 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """Two transformer blocks, a head and a 1-element scale (on 2 ranks only rank 0's shard
-    holds it); each block and the root sharded by fully_shard."""
+    """Two transformer blocks, a head and a 1-element scale (only rank 0's shard holds it, and
+    with HSDP its replica's); each block and the root sharded by fully_shard."""
 
     def __init__(self):
         super().__init__()
@@ -86,6 +91,8 @@ def sharded_net(mixed_precision: bool = False) -> Net:
     kw = {}
     if mixed_precision:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if MESH is not None:
+        kw["mesh"] = MESH
     for block in model.blocks:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
@@ -110,8 +117,8 @@ def reference(name, data, skip_windows=()):
     for w, window in enumerate(windows(len(SIZES[0]))):
         if w in skip_windows:
             continue
-        x = torch.cat([data[r][i][0] for r in range(2) for i in window])
-        y = torch.cat([data[r][i][1] for r in range(2) for i in window])
+        x = torch.cat([data[r][i][0] for r in range(RANKS) for i in window])
+        y = torch.cat([data[r][i][1] for r in range(RANKS) for i in window])
         opt.zero_grad()
         model(x, y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -191,8 +198,8 @@ def in_backward_sums(name, rank, backend, data):
     model = sharded_net()
     opt = OPTIMIZERS[name][0](list(model.parameters()), backend=backend, max_grad_norm=CLIP, in_backward=True)
     gen = torch.Generator().manual_seed(3)
-    batches = [[(torch.randn(2, SEQ, 6, generator=gen), torch.randn(2, SEQ, 3, generator=gen)) for _ in range(2)]
-               for _ in range(2 * K)]
+    batches = [[(torch.randn(2, SEQ, 6, generator=gen), torch.randn(2, SEQ, 3, generator=gen))
+                for _ in range(RANKS)] for _ in range(2 * K)]
     ref = Net()
     ref_opt = OPTIMIZERS[name][1](ref.parameters())
     for w in range(2):
@@ -202,7 +209,8 @@ def in_backward_sums(name, rank, backend, data):
         opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-        ref(torch.cat([m[r][0] for m in window for r in range(2)]), torch.cat([m[r][1] for m in window for r in range(2)])).backward()
+        ref(torch.cat([m[r][0] for m in window for r in range(RANKS)]),
+            torch.cat([m[r][1] for m in window for r in range(RANKS)])).backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
         ref_opt.step()
     check_close(full(model), [p.detach() for p in ref.parameters()], what="sums")
@@ -220,8 +228,8 @@ def late_weights(case, rank, backend, data):
         assert opt.updated
         ref = Net()
         ref_opt = OPTIMIZERS["AdamW"][1](ref.parameters())
-        total = sum(j + 1.0 for j in range(K)) * 2
-        sum(ref(*data[r][j]) * (j + 1.0) / total for r in range(2) for j in range(K)).backward()
+        total = sum(j + 1.0 for j in range(K)) * RANKS
+        sum(ref(*data[r][j]) * (j + 1.0) / total for r in range(RANKS) for j in range(K)).backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
         ref_opt.step()
         check_close(full(model), [p.detach() for p in ref.parameters()], what="equal late weights")
@@ -334,15 +342,42 @@ SCENARIOS = {
 }
 
 
+# HSDP's cases (4 ranks): what the 2-D mesh changes is the window's agreement (the weight
+# total and the flush check over all 4 ranks, the norm over the shards counted once), the
+# non-finite skip and the checkpoint's layout; each mode and both closes go through it.
+HSDP_SCENARIOS = {
+    "big_batch": (big_batch, ["a-AdamW", "a-SGD", "b-SGD", "c-AdamW", "c-SGD", "bc-AdamW", "a-RMSprop-wrapped"]),
+    "in_backward_sums": (in_backward_sums, ["SGD"]),
+    "late_weights": (late_weights, ["equal", "unequal"]),
+    "non_finite": (non_finite_skips_everywhere, ["a", "c"]),
+    "checkpoint": (checkpoint_mid_window, ["a-SGD", "c-AdamW"]),
+    "refusals": (refusals, ["flush_mismatch"]),
+}
+
+
+def hsdp_backends() -> list[str]:
+    return ["cpp" if cpu_skip_reason("cpp") is None else "torch"]
+
+
 def case_ids(backends) -> list[str]:
     return worker_case_ids(SCENARIOS, backends)
 
 
+def hsdp_case_ids() -> list[str]:
+    return worker_case_ids(HSDP_SCENARIOS, hsdp_backends())
+
+
 def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    global RANKS, MESH
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     os.environ["DCP_RUN"] = str(port)  # checkpoint directories of concurrent runs do not collide
-    data = make_data()
-    run_worker_cases(SCENARIOS, rank, out_dir, lambda run, name, backend: run(name, rank, backend, data))
+    RANKS = world_size
+    scenarios, backends = SCENARIOS, None
+    if world_size == 4:
+        MESH = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        scenarios, backends = HSDP_SCENARIOS, hsdp_backends()
+    data = make_data()[:world_size]
+    run_worker_cases(scenarios, rank, out_dir, lambda run, name, backend: run(name, rank, backend, data), backends)
     dist.destroy_process_group()
 
 

@@ -288,10 +288,10 @@ def worker_case_ids(scenarios: dict, backends) -> list[str]:
             for name in names for backend in backends]
 
 
-def run_worker_cases(scenarios: dict, rank: int, out_dir: str, call) -> None:
-    """One rank's side of run_ranks: ``call(run, name, backend)`` for every case, recording
-    "ok" or the traceback (the ranks stay in step: the same code path, a barrier after each
-    case), then OUT_DIR/rank<RANK>.json."""
+def run_worker_cases(scenarios: dict, rank: int, out_dir: str, call, backends=None) -> None:
+    """One rank's side of run_ranks: ``call(run, name, backend)`` for every case (on
+    ``backends``, default worker_backends()), recording "ok" or the traceback (the ranks stay in
+    step: the same code path, a barrier after each case), then OUT_DIR/rank<RANK>.json."""
     import json
     import os
     import traceback
@@ -301,7 +301,7 @@ def run_worker_cases(scenarios: dict, rank: int, out_dir: str, call) -> None:
     results = {}
     for scenario, (run, names) in scenarios.items():
         for name in names:
-            for backend in worker_backends():
+            for backend in backends or worker_backends():
                 case = f"{scenario}-{name}[{backend}]"
                 try:
                     call(run, name, backend)

@@ -1,6 +1,7 @@
-"""FSDP2 (``fully_shard``): two processes with gloo on 127.0.0.1 against the single-process
-big batch. The scenarios live in ``_fsdp_worker.py``; one pair of processes runs all of them
-(starting processes and importing FSDP2 costs seconds) and every case is its own test here.
+"""FSDP2 (``fully_shard``): two processes with gloo on 127.0.0.1 (a 1-D mesh), and four on
+HSDP's 2-D mesh (2 replicas of 2 shards), against the single-process big batch. The scenarios
+live in ``_fsdp_worker.py``; one set of processes runs all of a mesh's (starting processes and
+importing FSDP2 costs seconds) and every case is its own test here.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="this PyTorch build has no torch.distributed"
 )
 
-from _fsdp_worker import case_ids  # noqa: E402  (imports torch.distributed)
+from _fsdp_worker import case_ids, hsdp_case_ids  # noqa: E402  (imports torch.distributed)
 from _helpers import (finished_apart_from_gloo_exit_abort, needs_fsdp2_on_cpu, run_ranks,  # noqa: E402
                       worker_backends)
 
@@ -38,6 +39,22 @@ def test_two_ranks(rank_results, case):
         assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
 
 
+@pytest.fixture(scope="module")
+def hsdp_rank_results(tmp_path_factory) -> list[dict[str, str]]:
+    return run_ranks(WORKER, tmp_path_factory.mktemp("hsdp"), 4, TIMEOUT_S)
+
+
+@needs_fsdp2_on_cpu()
+@pytest.mark.parametrize("case", hsdp_case_ids())
+def test_hsdp_four_ranks(hsdp_rank_results, case):
+    """HSDP: the weight total and the flush check over all 4 ranks, the clip norm over the
+    shards with each replica's copy counted once (counted twice, SGD's clipped big batch fails),
+    non-finite skips, DCP mid-window, modes A and B."""
+    for rank, results in enumerate(hsdp_rank_results):
+        assert case in results, f"rank {rank} did not run {case}"
+        assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
+
+
 @needs_fsdp2_on_cpu()
 def test_readme_fsdp2_example_runs():
     """`torchrun --nproc-per-node 2 examples/fsdp2.py`, as docs/guides/fsdp2.md writes it (it checks
@@ -54,8 +71,9 @@ def test_readme_fsdp2_example_runs():
 
 
 def test_layouts_other_than_fsdp2_are_refused():
-    """HSDP / tensor-parallel meshes (2-D) and Replicate placements raise at construction,
-    naming what is unsupported (a one-process gloo group in a fresh interpreter)."""
+    """Tensor-parallel layouts (Shard on both dimensions of a 2-D mesh), 3-D meshes and Replicate
+    placements on a 1-D mesh raise at construction, naming what is unsupported; HSDP's 2-D layout
+    is accepted (a one-process gloo group in a fresh interpreter)."""
     script = """
 import socket, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -64,8 +82,11 @@ import accum_fused
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+mesh_2d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+accum_fused.AdamW([torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh_2d, [Replicate(), Shard(0)]))])
 cases = {
-    "2-D device mesh": (init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")), [Replicate(), Shard(0)]),
+    "other than HSDP's": (mesh_2d, [Shard(0), Shard(1)]),
+    "3-D device mesh": (init_device_mesh("cpu", (1, 1, 1)), [Replicate(), Replicate(), Shard(0)]),
     "placements other than Shard": (init_device_mesh("cpu", (1,)), [Replicate()]),
 }
 for expected, (mesh, placements) in cases.items():

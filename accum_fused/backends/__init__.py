@@ -85,6 +85,12 @@ def check_name(name: str) -> None:
         )
 
 
+def extension() -> ModuleType | None:
+    """The extension's backend (cpp_backend), where it loads: the fast paths' own calls
+    (window.table's checks, the update's step counts) whatever the user's backend choice."""
+    return _load("cpp")
+
+
 def extension_paths(name: str, *, table: bool = False) -> ModuleType | None:
     """The extension's backend (cpp_backend) where the user's backend choice ``name`` lets its
     host-side paths run, else None. Each path takes only what it runs exactly as the choice
@@ -92,7 +98,7 @@ def extension_paths(name: str, *, table: bool = False) -> ModuleType | None:
     gradient (added with torch's ops whatever the backend), so "triton" gets them too; plain
     mode's step table (``table``) runs the cpp backend's kernels only. The reference, the spec,
     keeps Python's paths alone."""
-    return None if name not in ((AUTO, "cpp") if table else (AUTO, "cpp", "triton")) else _load("cpp")
+    return None if name not in ((AUTO, "cpp") if table else (AUTO, "cpp", "triton")) else extension()
 
 
 def _auto_candidates(device: torch.device) -> tuple[str, ...]:

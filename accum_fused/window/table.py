@@ -52,7 +52,7 @@ def route(opt, win: Window, p: Tensor, torch_ops: bool = False) -> Route:
     its backend. Either way only a plain tensor (no DTensor, no complex view) of a dtype the
     extension takes (its per-gradient checks, kernel_grad, refuse the others)."""
     takes = (kernel_view(p) is p and p.dtype in KERNEL_DTYPES
-             and (torch_ops or opt.update_spec.backend_for(opt, p) is backends._load("cpp")))
+             and (torch_ops or opt.update_spec.backend_for(opt, p) is backends.extension()))
     return Route(takes, takes and win.may_adopt and adopts(p), torch_ops)
 
 
@@ -233,7 +233,7 @@ class UpdatePlan:
     def conforms(self, opt, win: Window) -> bool:
         """Whether Window.conform and conform_state would change nothing for the window's live
         parameters (all of them): one extension call per group."""
-        cpp = backends._load("cpp")
+        cpp = backends.extension()
         if cpp is None:
             return False
         for _, params, lists, _, _ in self.calls:
