@@ -3,6 +3,7 @@
 
     torchrun --nproc-per-node 2 examples/fsdp2.py                  # CPU, gloo, pattern a
     torchrun --nproc-per-node 2 examples/fsdp2.py --pattern b --bf16
+    torchrun --nproc-per-node 4 examples/fsdp2.py --replicas 2     # HSDP: 2 replicas of 2 shards
     torchrun --nproc-per-node 8 examples/fsdp2.py --device cuda    # one GPU per rank, NCCL
 
 A tiny GPT (embeddings, 2 pre-LN attention/MLP blocks, tied head) sharded with fully_shard per
@@ -17,6 +18,10 @@ weight=tokens) backpropagates loss * tokens. Three ways to drive it (--pattern):
      keeps unsharded gradients and reduce-scatters once per window (more memory, k x fewer bytes)
   c  in_backward=True: opt.backward(loss, weight=n) only; hooks take each reduce-scattered shard
      into the fp32 buffers (no .grad kept) and the k-th backward applies the update
+
+With --replicas R the mesh is HSDP's 2-D one: R replicas, each sharding the model over
+world / R ranks (FSDP2 reduce-scatters within a replica and all-reduces across them); every rank
+is still data-parallel, with micro-batches of its own.
 
 10 micro-batches per rank per epoch = 2 windows of 4 + a partial one that flush() closes (a
 collective: every rank calls it). The end checks that the loss went down and that the sharded
@@ -89,6 +94,7 @@ def main() -> None:
     parser.add_argument("--pattern", choices=["a", "b", "c"], default="a")
     parser.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy(bf16 params, fp32 reduce)")
     parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--replicas", type=int, default=1, help="HSDP: replicas of the sharded model (divides the ranks)")
     args = parser.parse_args()
 
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
@@ -101,7 +107,10 @@ def main() -> None:
     torch.manual_seed(0)  # the same initial model on every rank (fully_shard keeps each rank's shard)
     model = TinyGPT().to(device)
     reference = copy.deepcopy(model)  # unsharded, for the check at the end
-    mesh = init_device_mesh(device.type, (world,))
+    if args.replicas > 1:  # HSDP
+        mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
@@ -155,7 +164,7 @@ def main() -> None:
     tol = float("inf") if args.bf16 else 1e-3
     ok = last_loss < 0.7 * first_loss and err < tol
     if rank == 0:
-        print(f"pattern {args.pattern}{' bf16' if args.bf16 else ''}: loss {first_loss:.3f} -> {last_loss:.3f}, "
+        print(f"pattern {args.pattern}{' bf16' if args.bf16 else ''}{' HSDP' if args.replicas > 1 else ''}: loss {first_loss:.3f} -> {last_loss:.3f}, "
               f"max |sharded - reference| {err:.1e} (tolerance {tol:g}): {'OK' if ok else 'FAILED'}")
     dist.destroy_process_group()
     if not ok:

@@ -56,11 +56,14 @@ def test_hsdp_four_ranks(hsdp_rank_results, case):
 
 
 @needs_fsdp2_on_cpu()
-def test_readme_fsdp2_example_runs():
-    """`torchrun --nproc-per-node 2 examples/fsdp2.py`, as docs/guides/fsdp2.md writes it (it checks
-    itself against a single-process AdamW on the big batch)."""
+@pytest.mark.parametrize("launch", [["--nproc-per-node", "2"], ["--nproc-per-node", "4", "--replicas", "2"]],
+                         ids=["1-D", "HSDP"])
+def test_readme_fsdp2_example_runs(launch):
+    """`torchrun --nproc-per-node 2 examples/fsdp2.py`, and its HSDP run on 4 ranks, as
+    docs/guides/fsdp2.md writes them (it checks itself against a single-process AdamW on the big
+    batch)."""
     example = Path(__file__).resolve().parents[1] / "examples" / "fsdp2.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(example)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *launch[:2], str(example), *launch[2:]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
