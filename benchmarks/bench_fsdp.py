@@ -283,7 +283,11 @@ def run_rank(rank: int, world: int, args, port: int | None, pattern: str, result
     model = GPT(args.vocab, args.ctx, args.d_model, args.layers, args.heads).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     root_params = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("blocks."))
-    mesh = init_device_mesh(device.type, (world,))
+    if args.replicas > 1:  # HSDP: reduce-scatter within a replica, all-reduce across replicas
+        mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,))
     mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16
                  else MixedPrecisionPolicy())
     for block in model.blocks:
@@ -375,7 +379,7 @@ def run_rank(rank: int, world: int, args, port: int | None, pattern: str, result
                                    "dispatch_ops": dispatch_ops})
     if rank == 0 and result_path is not None:
         Path(result_path).write_text(json.dumps({
-            "pattern": pattern, "ranks": world, "params": n_params, "root_params": root_params,
+            "pattern": pattern, "ranks": world, "replicas": args.replicas, "params": n_params, "root_params": root_params,
             "window_tokens": window_tokens, "ms_per_window": statistics.median(times) * 1e3,
             "all_ms": [t * 1e3 for t in times], "per_rank": peaks,
             "fingerprint": fingerprint.tolist(), "dist_backend": dist.get_backend(),
@@ -396,20 +400,29 @@ def expected_bytes(rec: dict, args, world: int) -> dict[str, float]:
     and c, once for native and b. all-gather: fp32 or bf16 parameters (param_dtype), the whole
     model in every forward and every unit but the root again in backward (the root is not
     resharded after forward), k micro-batches. all-reduce: accum_fused's (3 + 3k) fp64 values;
-    native: clip_grad_norm_'s norm (not modelled). Padding of shards to a multiple of R is not
-    modelled. One rank: FSDP2 and DTensor skip their collectives (accum_fused's all-reduce runs)."""
+    native: clip_grad_norm_'s norm (not modelled). HSDP (--replicas R): the collectives above run
+    within a replica (S = world / R ranks); each reduce adds an all-reduce of the fp32 gradient
+    shard (P / S) across the replicas, and accum_fused's values are all-reduced twice (over the
+    shards, then the replicas). Padding of shards to a multiple of S is not modelled. One rank:
+    FSDP2 and DTensor skip their collectives (accum_fused's all-reduce runs)."""
     P, root, k = rec["params"], rec["root_params"], args.k
+    replicas = rec.get("replicas", 1)
+    shards = world // replicas
     p_bytes = 2 if args.bf16 else 4
     reduces = k if rec["pattern"] in ("a", "c") else 1
-    sharded = 1 if world > 1 else 0
+    sharded = 1 if shards > 1 else 0
+    across_replicas = reduces * P / shards * 4 if replicas > 1 else 0
+    ours = 8 * (3 + 3 * k) * (2 if replicas > 1 else 1)
     return {"reduce_scatter": sharded * reduces * P * 4, "all_gather": sharded * k * (2 * P - root) * p_bytes,
-            "all_reduce": 8 * (3 + 3 * k) if rec["pattern"] != "native" else float("nan")}
+            "all_reduce": ours + across_replicas if rec["pattern"] != "native" else float("nan")}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--ranks", type=int, default=2, help="processes to start (ignored under torchrun)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="HSDP: a 2-D mesh of this many replicas, each sharding over ranks / replicas")
     parser.add_argument("--patterns", default=",".join(PATTERNS))
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--ctx", type=int, default=64)
@@ -471,7 +484,8 @@ def main() -> int:
         })
 
     P = records[0]["params"]
-    print(f"{world} rank(s), {records[0]['dist_backend']} on {records[0]['device']}; GPT {P / 1e6:.2f}M params "
+    layout = f" (HSDP: {args.replicas} replicas of {world // args.replicas} shards)" if args.replicas > 1 else ""
+    print(f"{world} rank(s){layout}, {records[0]['dist_backend']} on {records[0]['device']}; GPT {P / 1e6:.2f}M params "
           f"(root unit {records[0]['root_params'] / 1e6:.2f}M), k={args.k}, {args.seq}-token sequences, 1-4 per "
           f"micro-batch, {records[0]['window_tokens']} tokens per window (all ranks), "
           f"{'bf16 params / fp32 reduce' if args.bf16 else 'fp32'}; {args.windows} timed windows")
