@@ -55,7 +55,7 @@ class Takeover:
         takes the module over at its first forward, whenever that comes."""
         if self.unwatched and distributed.several_processes():
             self._late_process_group(opt)
-        if not (opt.process_group is None and distributed.several_processes()):
+        if self.watch is not None and not (opt.process_group is None and distributed.several_processes()):
             self._unwatch()
 
     def window_discarded(self, opt) -> None:

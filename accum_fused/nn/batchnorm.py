@@ -465,8 +465,9 @@ def window_batchnorm(model: nn.Module, opt) -> WindowBatchNorm:
             f"window_batchnorm needs an accum_fused optimizer (SGD, Adam, AdamW, GradientAccumulator), got "
             f"{type(opt).__name__}: it updates the running statistics when that optimizer's window closes"
         )
-    listeners = window_of(opt, "window_batchnorm()").listeners
-    if window_of(opt).shards is not None:
+    win = window_of(opt, "window_batchnorm()")
+    listeners = win.listeners
+    if win.shards is not None:
         raise ValueError("window_batchnorm does not support FSDP2 (DTensor parameters) yet")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
