@@ -532,34 +532,74 @@ class WindowSync:
         return total, False, live
 
 
+# The name of a tensor-parallel dimension of a device mesh (torchtitan's and PyTorch's tutorials'):
+# the ranks along it hold parts of one model replica and see the same micro-batches.
+TP_DIM = "tp"
+
+
 def shard_mesh(params: list[Tensor], owner: str):
-    """The one device mesh that FSDP2 (``fully_shard``) sharded ``params`` over, checked:
-    accum_fused's window math for DTensor parameters assumes FSDP2's layouts, where every mesh
-    dimension is data-parallel and the gradients are averaged over all of its ranks: a 1-D mesh
-    (every parameter a ``Shard``), or HSDP's 2-D one (``Replicate`` over the replicas, ``Shard``
-    within each)."""
+    """The device mesh that FSDP2 (``fully_shard``) sharded ``params`` over (with tensor
+    parallel, the 2-D mesh whose ``"tp"`` dimension the parameters that are not tensor-parallel
+    do not span), checked: accum_fused's window math for DTensor parameters assumes FSDP2's
+    layouts, in which the gradients are averaged over every data-parallel rank:
+      - a 1-D mesh, every parameter a ``Shard``;
+      - HSDP's 2-D mesh: ``Replicate`` over the replicas, ``Shard`` within each;
+      - tensor parallel + FSDP2: a 2-D mesh of a data-parallel dimension and one named
+        ``"tp"``: on the first FSDP2's ``Shard``, on ``"tp"`` the tensor-parallel ``Shard`` or
+        ``Replicate``; the other parameters on its data-parallel dimension alone."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
     problems = []
-    if len(meshes) > 1:
-        problems.append("parameters on more than one device mesh")
     if any(not isinstance(p, DTensor) for p in params):
         problems.append("a mix of DTensor and plain parameters (shard the whole model with fully_shard)")
-    mesh = next(iter(meshes))
-    # (type, not isinstance: tensor parallel + FSDP2 shards with Shard's subclass _StridedShard)
-    layouts = {tuple(type(pl) for pl in p.placements) for p in params if isinstance(p, DTensor)}
+    mesh = max(meshes, key=lambda m: m.ndim)
+    names = mesh.mesh_dim_names or ()
+    if len(meshes) > 1 and not (TP_DIM in names and mesh.ndim == 2
+                                and all(_dims_of(m, mesh) == [names.index(TP_DIM) ^ 1] for m in meshes - {mesh})):
+        problems.append("parameters on more than one device mesh")
+    layouts = {tuple(type(pl) for pl in p.placements) for p in params if isinstance(p, DTensor) and p.device_mesh == mesh}
+    sharded = all(_is_shard(pl) for p in params if isinstance(p, DTensor) and p.device_mesh != mesh
+                  for pl in p.placements)
     if mesh.ndim > 2:
-        problems.append(f"a {mesh.ndim}-D device mesh (FSDP2 on a 1-D mesh and HSDP on a 2-D one are supported; "
-                        "tensor parallel is not yet)")
+        problems.append(f"a {mesh.ndim}-D device mesh (FSDP2 on a 1-D mesh, HSDP and tensor parallel + FSDP2 on a "
+                        "2-D one are supported)")
+    elif mesh.ndim == 2 and TP_DIM in names:
+        tp = names.index(TP_DIM)
+        if not sharded or not all(_is_shard(kinds[tp ^ 1]) and kinds[tp] in (Shard, Replicate) for kinds in layouts):
+            problems.append(f"placements on a tensor-parallel mesh {names} other than FSDP2's Shard on its data "
+                            f"dimension and Shard or Replicate on {TP_DIM!r}")
     elif mesh.ndim == 2 and layouts != {(Replicate, Shard)}:
-        problems.append("placements on a 2-D device mesh other than HSDP's (Replicate(), Shard(0)) (tensor "
-                        "parallel is not supported yet)")
+        problems.append("placements on a 2-D device mesh other than HSDP's (Replicate(), Shard(0)) (for tensor "
+                        f"parallel + FSDP2, name its tensor-parallel dimension {TP_DIM!r})")
     elif mesh.ndim == 1 and layouts != {(Shard,)}:
-        problems.append("placements other than Shard (replicate() / tensor parallel are not supported yet)")
+        problems.append("placements other than Shard (replicate() is not supported yet)")
     if problems:
         raise NotImplementedError(f"{owner} got DTensor parameters with {'; '.join(problems)}")
     return mesh
+
+
+def _is_shard(placement) -> bool:
+    """A ``Shard`` placement (or type), or ``_StridedShard``: how FSDP2 shards, over its data
+    dimension, a parameter tensor parallel sharded on the same tensor dimension."""
+    from torch.distributed.tensor import Shard
+    kind = placement if isinstance(placement, type) else type(placement)
+    return issubclass(kind, Shard) or kind.__name__ == "_StridedShard"
+
+
+def _dims_of(sub, mesh) -> list[int] | None:
+    """The dimensions of ``mesh`` that its submesh ``sub`` spans (by name, the same ranks on this
+    rank), or None."""
+    dist, dims = _dist(), []
+    for i, name in enumerate(sub.mesh_dim_names or ()):
+        if name not in (mesh.mesh_dim_names or ()):
+            return None
+        dim = mesh.mesh_dim_names.index(name)
+        if sorted(dist.get_process_group_ranks(sub.get_group(i))) != sorted(
+                dist.get_process_group_ranks(mesh.get_group(dim))):
+            return None
+        dims.append(dim)
+    return dims or None
 
 
 class ShardSync:
@@ -581,13 +621,27 @@ class ShardSync:
     def __init__(self, mesh, owner: str):
         self.mesh = mesh
         self.owner = owner
-        # Every rank of the mesh is data-parallel: FSDP2 averages the gradients over all N of
-        # them (HSDP: reduce-scattered within a replica, then all-reduced over the replicas).
-        self.size = mesh.size()
-        # The agreement's all-reduce: over the shards (the last mesh dimension), then, with HSDP,
-        # over the replicas, which hold the same shards: their norm is counted once.
-        self.groups = [mesh.get_group(dim) for dim in reversed(range(mesh.ndim))]
-        self.counts_norm = mesh.ndim == 1 or mesh.get_local_rank(0) == 0
+        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        # This rank's place on each dimension of the mesh.
+        self.coords = {name: mesh.get_local_rank(i) for i, name in enumerate(names)}
+        self.names = names
+        # The data-parallel ranks: every rank of the mesh but along "tp" (tensor parallel), whose
+        # ranks see the same micro-batches. FSDP2 averages the gradients over all N of them
+        # (HSDP: reduce-scattered within a replica, then all-reduced over the replicas).
+        self.size = math.prod(mesh.size(i) for i, name in enumerate(names) if name != TP_DIM)
+        # The agreement is one sum over every rank of the mesh (an all-reduce per dimension), to
+        # which the weights and checks come from one rank per data-parallel rank (the first
+        # along "tp") and the norm from every shard once (counts_here).
+        self.groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+        self.gives_weights = self.coords.get(TP_DIM, 0) == 0
+
+    def counts_here(self, p: Tensor) -> bool:
+        """Whether this rank's shard of ``p`` goes into the window's norm: on each dimension of
+        the mesh along which ``p`` is not sharded (HSDP's replicas, tensor parallel's replicated
+        parameters, or a dimension ``p``'s mesh does not span), only the first rank's copy."""
+        mesh = p.device_mesh
+        placed = dict(zip(mesh.mesh_dim_names or self.names, p.placements))
+        return all(coord == 0 or (name in placed and _is_shard(placed[name])) for name, coord in self.coords.items())
 
     @torch.no_grad()
     def agree(self, live: list[Tensor], buffers: dict[Tensor, Tensor], backend_for, device: torch.device,
@@ -605,7 +659,8 @@ class ShardSync:
             )
         by_kind = defaultdict(list)
         for p in live:
-            by_kind[(p.device, p.dtype)].append(p)
+            if self.counts_here(p):
+                by_kind[(p.device, p.dtype)].append(p)
         sq_norm = None
         for members in by_kind.values():
             norms = backend_for(members[0]).window_norms(
@@ -630,12 +685,13 @@ class ShardSync:
         # also when a rank flushes a partial window while another closes a full one.
         for w in late_weights + [None] * (window_length - len(late_weights)):
             late += [0.0, 0.0, 0.0] if w is None else [1.0, w, w * w]
-        meta = torch.tensor([weight_sum, float(flushing), 0.0] + late, dtype=torch.float64).to(device)
+        values = [weight_sum, float(flushing), 0.0] + late
+        if not self.gives_weights:
+            values = [0.0] * len(values)
+        meta = torch.tensor(values, dtype=torch.float64).to(device)
         if sq_norm is not None:
             meta[2:3] += sq_norm.to(torch.float64).reshape(1)
         for group in self.groups:
-            if group is not self.groups[0] and not self.counts_norm:
-                meta[2] = 0.0
             dist.all_reduce(meta, group=group)
         values = meta.tolist()
         total, flushers = values[0], values[1]

@@ -34,8 +34,9 @@ CLIP = 0.5
 SEQ = 4
 # SIZES[rank][i]: rows of rank's i-th micro-batch (7 each: windows of 3, 3 and a partial 1).
 SIZES = ((3, 1, 5, 2, 4, 1, 2), (2, 4, 1, 1, 1, 3, 5), (1, 2, 2, 5, 1, 4, 3), (4, 3, 1, 2, 3, 2, 1))
-RANKS = 2  # this run's world size (main)
+RANKS = 2  # this run's data-parallel ranks (main)
 MESH = None  # None: fully_shard's default 1-D mesh; with 4 ranks HSDP's (replicate 2, shard 2)
+TP_MESH = None  # FSDP_MESH=tp: the (dp 2, tp 2) mesh; the model's MLP is tensor-parallel on "tp"
 
 
 class Block(nn.Module):
@@ -74,6 +75,27 @@ class Net(nn.Module):
         return (out - y).square().mean() + (self.scale * poison).sum()
 
 
+class TPNet(nn.Module):
+    """A pre-norm MLP block (fc1 column-wise and fc2 row-wise parallel under FSDP_MESH=tp), a
+    head and the 1-element scale; the norm, head and scale are data-parallel only."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.LayerNorm(6)
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 6)
+        self.head = nn.Linear(6, 3)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x, y, poison: float = 0.0):
+        h = x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+        out = self.head(h) * self.scale
+        return (out - y).square().mean() + (self.scale * poison).sum()
+
+
+MODEL = Net  # TPNet under FSDP_MESH=tp
+
+
 def make_data():
     """(x, y) per micro-batch: n sequences of SEQ positions; the weight of a micro-batch is n
     (its loss is the mean over n * SEQ positions)."""
@@ -87,10 +109,15 @@ def windows(n: int):
 
 
 def sharded_net(mixed_precision: bool = False) -> Net:
-    model = Net()
+    model = MODEL()
     kw = {}
     if mixed_precision:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if TP_MESH is not None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        parallelize_module(model, TP_MESH["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        fully_shard(model, mesh=TP_MESH["dp"], **kw)
+        return model
     if MESH is not None:
         kw["mesh"] = MESH
     for block in model.blocks:
@@ -112,7 +139,7 @@ OPTIMIZERS = {
 
 def reference(name, data, skip_windows=()):
     """The single-process big batch: every rank's micro-batches of a window concatenated."""
-    model = Net()
+    model = MODEL()
     opt = OPTIMIZERS[name][1](model.parameters())
     for w, window in enumerate(windows(len(SIZES[0]))):
         if w in skip_windows:
@@ -200,7 +227,7 @@ def in_backward_sums(name, rank, backend, data):
     gen = torch.Generator().manual_seed(3)
     batches = [[(torch.randn(2, SEQ, 6, generator=gen), torch.randn(2, SEQ, 3, generator=gen))
                 for _ in range(RANKS)] for _ in range(2 * K)]
-    ref = Net()
+    ref = MODEL()
     ref_opt = OPTIMIZERS[name][1](ref.parameters())
     for w in range(2):
         window = batches[w * K:(w + 1) * K]
@@ -226,7 +253,7 @@ def late_weights(case, rank, backend, data):
             model(*data[rank][j]).backward()
             opt.step(weight=j + 1.0)
         assert opt.updated
-        ref = Net()
+        ref = MODEL()
         ref_opt = OPTIMIZERS["AdamW"][1](ref.parameters())
         total = sum(j + 1.0 for j in range(K)) * RANKS
         sum(ref(*data[r][j]) * (j + 1.0) / total for r in range(RANKS) for j in range(K)).backward()
@@ -355,6 +382,18 @@ HSDP_SCENARIOS = {
 }
 
 
+# Tensor parallel + FSDP2 (4 ranks: dp 2 x tp 2): the weights and checks from one rank per
+# data-parallel rank, the norm from every shard once (tensor-parallel shards summed, replicated
+# parameters counted once), the divisor over the 2 data-parallel ranks.
+TP_SCENARIOS = {
+    "big_batch": (big_batch, ["a-AdamW", "a-SGD", "b-SGD", "c-AdamW", "c-SGD"]),
+    "late_weights": (late_weights, ["equal"]),
+    "non_finite": (non_finite_skips_everywhere, ["a"]),
+    "checkpoint": (checkpoint_mid_window, ["a-SGD", "c-AdamW"]),
+    "refusals": (refusals, ["flush_mismatch"]),
+}
+
+
 def hsdp_backends() -> list[str]:
     return ["cpp" if cpu_skip_reason("cpp") is None else "torch"]
 
@@ -367,17 +406,25 @@ def hsdp_case_ids() -> list[str]:
     return worker_case_ids(HSDP_SCENARIOS, hsdp_backends())
 
 
+def tp_case_ids() -> list[str]:
+    return worker_case_ids(TP_SCENARIOS, hsdp_backends())
+
+
 def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    global RANKS, MESH
+    global RANKS, MESH, TP_MESH, MODEL
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     os.environ["DCP_RUN"] = str(port)  # checkpoint directories of concurrent runs do not collide
-    RANKS = world_size
+    RANKS, data_rank = world_size, rank
     scenarios, backends = SCENARIOS, None
-    if world_size == 4:
+    if world_size == 4 and os.environ.get("FSDP_MESH") == "tp":
+        TP_MESH = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        MODEL, RANKS, data_rank = TPNet, 2, TP_MESH["dp"].get_local_rank()  # (tp peers: the same micro-batches)
+        scenarios, backends = TP_SCENARIOS, hsdp_backends()
+    elif world_size == 4:
         MESH = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         scenarios, backends = HSDP_SCENARIOS, hsdp_backends()
-    data = make_data()[:world_size]
-    run_worker_cases(scenarios, rank, out_dir, lambda run, name, backend: run(name, rank, backend, data), backends)
+    data = make_data()[:RANKS]
+    run_worker_cases(scenarios, rank, out_dir, lambda run, name, backend: run(name, data_rank, backend, data), backends)
     dist.destroy_process_group()
 
 

@@ -203,7 +203,7 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (_ordered_bits16(a) - _ordered_bits16(b)).abs()
 
 
-def run_ranks(worker, out_dir, world_size: int, stall_s: int) -> list[dict]:
+def run_ranks(worker, out_dir, world_size: int, stall_s: int, env: dict | None = None) -> list[dict]:
     """Start ``python WORKER RANK WORLD_SIZE PORT OUT_DIR`` for every rank (gloo on a free
     127.0.0.1 port; tests/ on PYTHONPATH), wait, and return each rank's OUT_DIR/rank<R>.json
     (scenario results). Fails the test when the ranks make no progress for ``stall_s`` seconds (a
@@ -225,7 +225,8 @@ def run_ranks(worker, out_dir, world_size: int, stall_s: int) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(worker.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, **(env or {}),
+           "PYTHONPATH": os.pathsep.join([str(worker.parent), os.environ.get("PYTHONPATH", "")])}
     log_paths = [os.path.join(out_dir, f"rank{rank}.log") for rank in range(world_size)]
     progress_paths = [os.path.join(out_dir, f"rank{rank}.progress") for rank in range(world_size)]
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="this PyTorch build has no torch.distributed"
 )
 
-from _fsdp_worker import case_ids, hsdp_case_ids  # noqa: E402  (imports torch.distributed)
+from _fsdp_worker import case_ids, hsdp_case_ids, tp_case_ids  # noqa: E402  (imports torch.distributed)
 from _helpers import (finished_apart_from_gloo_exit_abort, needs_fsdp2_on_cpu, run_ranks,  # noqa: E402
                       worker_backends)
 
@@ -55,6 +55,23 @@ def test_hsdp_four_ranks(hsdp_rank_results, case):
         assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
 
 
+@pytest.fixture(scope="module")
+def tp_rank_results(tmp_path_factory) -> list[dict[str, str]]:
+    return run_ranks(WORKER, tmp_path_factory.mktemp("tp"), 4, TIMEOUT_S, env={"FSDP_MESH": "tp"})
+
+
+@needs_fsdp2_on_cpu()
+@pytest.mark.parametrize("case", tp_case_ids())
+def test_tensor_parallel_and_fsdp2_four_ranks(tp_rank_results, case):
+    """Tensor parallel (an MLP column- then row-wise parallel over "tp") + FSDP2 over "dp", 2 x 2:
+    the weight total over the data-parallel ranks only (over the tensor-parallel ones too, the
+    big batch fails), the clip norm with tensor-parallel shards summed and replicated parameters
+    counted once (counted on every tensor-parallel rank, it fails), modes A and B, DCP."""
+    for rank, results in enumerate(tp_rank_results):
+        assert case in results, f"rank {rank} did not run {case}"
+        assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
+
+
 @needs_fsdp2_on_cpu()
 @pytest.mark.parametrize("launch", [["--nproc-per-node", "2"], ["--nproc-per-node", "4", "--replicas", "2"]],
                          ids=["1-D", "HSDP"])
@@ -74,9 +91,10 @@ def test_readme_fsdp2_example_runs(launch):
 
 
 def test_layouts_other_than_fsdp2_are_refused():
-    """Tensor-parallel layouts (Shard on both dimensions of a 2-D mesh), 3-D meshes and Replicate
-    placements on a 1-D mesh raise at construction, naming what is unsupported; HSDP's 2-D layout
-    is accepted (a one-process gloo group in a fresh interpreter)."""
+    """Layouts other than FSDP2's raise at construction, naming what is unsupported: Shard on
+    both dimensions of a 2-D mesh without a "tp" dimension, Replicate on the data dimension of a
+    tensor-parallel mesh, 3-D meshes, Replicate on a 1-D mesh; HSDP's 2-D layout is accepted (a
+    one-process gloo group in a fresh interpreter)."""
     script = """
 import socket, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -89,6 +107,7 @@ mesh_2d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
 accum_fused.AdamW([torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh_2d, [Replicate(), Shard(0)]))])
 cases = {
     "other than HSDP's": (mesh_2d, [Shard(0), Shard(1)]),
+    "tensor-parallel mesh": (init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp")), [Replicate(), Shard(0)]),
     "3-D device mesh": (init_device_mesh("cpu", (1, 1, 1)), [Replicate(), Replicate(), Shard(0)]),
     "placements other than Shard": (init_device_mesh("cpu", (1,)), [Replicate()]),
 }
