@@ -634,6 +634,7 @@ class ShardSync:
         # along "tp") and the norm from every shard once (counts_here).
         self.groups = [mesh.get_group(i) for i in range(mesh.ndim)]
         self.gives_weights = self.coords.get(TP_DIM, 0) == 0
+        self.tp_size = mesh.size(names.index(TP_DIM)) if TP_DIM in names else 1
 
     def counts_here(self, p: Tensor) -> bool:
         """Whether this rank's shard of ``p`` goes into the window's norm: on each dimension of
@@ -688,6 +689,8 @@ class ShardSync:
         values = [weight_sum, float(flushing), 0.0] + late
         if not self.gives_weights:
             values = [0.0] * len(values)
+        if self.tp_size > 1:  # every rank's weight total: a "tp" group's ranks must agree on it
+            values.append(weight_sum)
         meta = torch.tensor(values, dtype=torch.float64).to(device)
         if sq_norm is not None:
             meta[2:3] += sq_norm.to(torch.float64).reshape(1)
@@ -695,6 +698,13 @@ class ShardSync:
             dist.all_reduce(meta, group=group)
         values = meta.tolist()
         total, flushers = values[0], values[1]
+        if self.tp_size > 1 and abs(values[-1] - self.tp_size * total) > 1e-9 * abs(values[-1]):
+            raise RuntimeError(
+                f"accum_fused: the ranks along the device mesh's {TP_DIM!r} dimension gave this window different "
+                "micro-batch weights, but tensor-parallel ranks must see the same micro-batches (each "
+                f"{TP_DIM!r} group is one data-parallel rank): give them the same data and weights, or, if that "
+                f"dimension is data-parallel, do not name it {TP_DIM!r}"
+            )
         if 0 < flushers < self.size:
             raise RuntimeError(
                 f"accum_fused: {int(flushers)} rank(s) called flush() while the others closed a window in step(): "

@@ -355,6 +355,14 @@ def refusals(case, rank, backend, data):
         opt.backward(model(*data[rank][1]), weight=3)
         close = opt.flush if rank == 0 else opt.step
         expect_error(RuntimeError, "flush()", close)
+    elif case == "tp_weights_differ":  # a "tp" group's ranks with other weights: refused, nothing changed
+        opt = accum_fused.SGD(params, lr=0.1, accumulation_steps=2, backend=backend)
+        before, tp_rank = full(model), TP_MESH["tp"].get_local_rank()
+        opt.backward(model(*data[rank][0]), weight=3 + tp_rank)
+        opt.step()
+        opt.backward(model(*data[rank][1]), weight=3 + tp_rank)
+        expect_error(RuntimeError, "'tp' dimension gave this window different", opt.step)
+        check_close(full(model), before, atol=0, what="a refused window changes nothing")
 
 
 SCENARIOS = {
@@ -390,7 +398,7 @@ TP_SCENARIOS = {
     "late_weights": (late_weights, ["equal"]),
     "non_finite": (non_finite_skips_everywhere, ["a"]),
     "checkpoint": (checkpoint_mid_window, ["a-SGD", "c-AdamW"]),
-    "refusals": (refusals, ["flush_mismatch"]),
+    "refusals": (refusals, ["flush_mismatch", "tp_weights_differ"]),
 }
 
 
