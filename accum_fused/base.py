@@ -148,7 +148,7 @@ class AccumulatingOptimizer:
         name, params = type(self).__name__, self._all_params()
         mesh = self._check_params(params)
         # FSDP2 (DTensor parameters): the ranks of the mesh agree once per window (ShardSync).
-        shards = None if mesh is None else distributed.ShardSync(mesh, name)
+        shards = None if mesh is None else distributed.ShardSync(*mesh, name)
         sync = None
         if process_group is not None:
             sync = distributed.WindowSync(process_group, name)
@@ -183,7 +183,8 @@ class AccumulatingOptimizer:
 
     def _check_params(self, tensors):
         """Refuse, before anything changes, parameters no backend can run correctly. Returns
-        the FSDP2 device mesh when the parameters are DTensors, else None."""
+        the FSDP2 device mesh and its tensor-parallel dimension (shard_mesh) when the parameters
+        are DTensors, else None."""
         tensors = [t for t in tensors if isinstance(t, Tensor)]
         built = hasattr(self, "_window")
         if not (built and self._window.shards is not None) and not any(is_dtensor(t) for t in tensors):

@@ -546,7 +546,9 @@ def shard_mesh(params: list[Tensor], owner: str):
       - HSDP's 2-D mesh: ``Replicate`` over the replicas, ``Shard`` within each;
       - tensor parallel + FSDP2: a 2-D mesh of a data-parallel dimension and one named
         ``"tp"``: on the first FSDP2's ``Shard``, on ``"tp"`` the tensor-parallel ``Shard`` or
-        ``Replicate``; the other parameters on its data-parallel dimension alone."""
+        ``Replicate``; the other parameters on its data-parallel dimension alone.
+    Returns (the mesh, the index of its tensor-parallel dimension or None): ShardSync's input,
+    so that which dimension is tensor parallel is decided here alone."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
@@ -555,8 +557,8 @@ def shard_mesh(params: list[Tensor], owner: str):
         problems.append("a mix of DTensor and plain parameters (shard the whole model with fully_shard)")
     mesh = max(meshes, key=lambda m: m.ndim)
     names = mesh.mesh_dim_names or ()
-    if len(meshes) > 1 and not (TP_DIM in names and mesh.ndim == 2
-                                and all(_dims_of(m, mesh) == [names.index(TP_DIM) ^ 1] for m in meshes - {mesh})):
+    tp = names.index(TP_DIM) if mesh.ndim == 2 and TP_DIM in names else None
+    if len(meshes) > 1 and not (tp is not None and all(_dims_of(m, mesh) == [tp ^ 1] for m in meshes - {mesh})):
         problems.append("parameters on more than one device mesh")
     layouts = {tuple(type(pl) for pl in p.placements) for p in params if isinstance(p, DTensor) and p.device_mesh == mesh}
     sharded = all(_is_shard(pl) for p in params if isinstance(p, DTensor) and p.device_mesh != mesh
@@ -564,8 +566,7 @@ def shard_mesh(params: list[Tensor], owner: str):
     if mesh.ndim > 2:
         problems.append(f"a {mesh.ndim}-D device mesh (FSDP2 on a 1-D mesh, HSDP and tensor parallel + FSDP2 on a "
                         "2-D one are supported)")
-    elif mesh.ndim == 2 and TP_DIM in names:
-        tp = names.index(TP_DIM)
+    elif tp is not None:
         if not sharded or not all(_is_shard(kinds[tp ^ 1]) and kinds[tp] in (Shard, Replicate) for kinds in layouts):
             problems.append(f"placements on a tensor-parallel mesh {names} other than FSDP2's Shard on its data "
                             f"dimension and Shard or Replicate on {TP_DIM!r}")
@@ -576,7 +577,7 @@ def shard_mesh(params: list[Tensor], owner: str):
         problems.append("placements other than Shard (replicate() is not supported yet)")
     if problems:
         raise NotImplementedError(f"{owner} got DTensor parameters with {'; '.join(problems)}")
-    return mesh
+    return mesh, tp
 
 
 def _is_shard(placement) -> bool:
@@ -618,31 +619,38 @@ class ShardSync:
         FSDP averaged it with equal weight per rank, which is right only if they are equal.
     """
 
-    def __init__(self, mesh, owner: str):
+    def __init__(self, mesh, tp: int | None, owner: str):
+        """``mesh`` and ``tp``, its tensor-parallel dimension (or None): what shard_mesh found."""
         self.mesh = mesh
         self.owner = owner
-        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
         # This rank's place on each dimension of the mesh.
-        self.coords = {name: mesh.get_local_rank(i) for i, name in enumerate(names)}
-        self.names = names
-        # The data-parallel ranks: every rank of the mesh but along "tp" (tensor parallel), whose
+        self.coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
+        # The data-parallel ranks: every rank of the mesh but along tp (tensor parallel), whose
         # ranks see the same micro-batches. FSDP2 averages the gradients over all N of them
         # (HSDP: reduce-scattered within a replica, then all-reduced over the replicas).
-        self.size = math.prod(mesh.size(i) for i, name in enumerate(names) if name != TP_DIM)
+        self.size = math.prod(mesh.size(i) for i in range(mesh.ndim) if i != tp)
         # The agreement is one sum over every rank of the mesh (an all-reduce per dimension), to
         # which the weights and checks come from one rank per data-parallel rank (the first
-        # along "tp") and the norm from every shard once (counts_here).
+        # along tp) and the norm from every shard once (counts_here).
         self.groups = [mesh.get_group(i) for i in range(mesh.ndim)]
-        self.gives_weights = self.coords.get(TP_DIM, 0) == 0
-        self.tp_size = mesh.size(names.index(TP_DIM)) if TP_DIM in names else 1
+        self.gives_weights = tp is None or self.coords[tp] == 0
+        self.tp_size = 1 if tp is None else mesh.size(tp)
+        # The mesh dimensions each parameter's mesh spans, by id (with a reference, so that the id
+        # stays its): the whole mesh (an equal object too), or (tensor parallel's other parameters)
+        # its data dimension alone.
+        self._spans = {id(mesh): (mesh, range(mesh.ndim))}
+        self._data_dim = None if tp is None else tp ^ 1
 
     def counts_here(self, p: Tensor) -> bool:
         """Whether this rank's shard of ``p`` goes into the window's norm: on each dimension of
         the mesh along which ``p`` is not sharded (HSDP's replicas, tensor parallel's replicated
         parameters, or a dimension ``p``'s mesh does not span), only the first rank's copy."""
         mesh = p.device_mesh
-        placed = dict(zip(mesh.mesh_dim_names or self.names, p.placements))
-        return all(coord == 0 or (name in placed and _is_shard(placed[name])) for name, coord in self.coords.items())
+        spans = self._spans.get(id(mesh))
+        if spans is None:  # (shard_mesh checked: a mesh other than the whole spans its data dimension)
+            spans = self._spans[id(mesh)] = (mesh, range(mesh.ndim) if mesh == self.mesh else [self._data_dim])
+        placed = dict(zip(spans[1], p.placements))
+        return all(coord == 0 or (dim in placed and _is_shard(placed[dim])) for dim, coord in enumerate(self.coords))
 
     @torch.no_grad()
     def agree(self, live: list[Tensor], buffers: dict[Tensor, Tensor], backend_for, device: torch.device,
