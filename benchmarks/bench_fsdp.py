@@ -7,11 +7,14 @@ A GPT-style model (bench_memory's GPT: embeddings, pre-LN blocks, LM head tied t
 with fully_shard per block and at the root (fp32 parameters; --bf16 adds
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)). A window is k micro-batches of
 uneven sizes, different on every rank (1..4 sequences of --seq tokens), weighted by tokens;
-AdamW lr 1e-3, weight decay 0.01, clip 1.0. Patterns:
+AdamW lr 1e-3, weight decay 0.01, clip 1.0. Meshes: 1-D (default); HSDP (--replicas R: R
+replicas of ranks / R shards); tensor parallel + FSDP2 (--tp N: a (dp, "tp") mesh of ranks / N
+x N, each block's MLP fc column-wise and fc_proj row-wise parallel on "tp", fully_shard over
+"dp"; a "tp" group's ranks read the same micro-batches, chosen by the dp coordinate). Patterns:
 
   native  torch.optim.AdamW (foreach on CPU, fused on CUDA); set_requires_gradient_sync(j == k-1);
           (loss * tokens_j * R / window tokens of all ranks).backward() (FSDP2 averages over R);
-          clip_grad_norm_ on the DTensor gradients; step(); zero_grad()
+          clip_grad_norm_ on the DTensor gradients (--tp: per mesh, combined); step(); zero_grad()
   a       accum_fused.AdamW(accumulation_steps=k, max_grad_norm=1.0):
           opt.backward(loss, weight=tokens); opt.step(); opt.zero_grad() - FSDP2 reduce-scatters
           after every backward
@@ -45,6 +48,8 @@ windows. Reported per rank per window:
 Usage (from the repository root):
   python benchmarks/bench_fsdp.py                          # 2 gloo ranks, 4.3M params, k=8
   python benchmarks/bench_fsdp.py --device cuda --ranks 1 --layers 2 --windows 3
+  python benchmarks/bench_fsdp.py --ranks 4 --replicas 2 --windows 3   # HSDP, 2 x 2
+  python benchmarks/bench_fsdp.py --ranks 4 --tp 2 --windows 3         # tensor parallel 2 x FSDP2 over 2
   torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py     # ranks started by torchrun
 """
 from __future__ import annotations
@@ -112,6 +117,7 @@ class CommCounter:
 
     def __init__(self):
         self.bytes, self.calls, self.names = defaultdict(int), defaultdict(int), defaultdict(int)
+        self.name_bytes = defaultdict(int)
         self.on = True
         self._depth = threading.local()
 
@@ -134,6 +140,7 @@ class CommCounter:
                 counter.bytes[kind] += n
                 counter.calls[kind] += 1
                 counter.names[("funcol." if funcol else "dist.") + name] += 1
+                counter.name_bytes[("funcol." if funcol else "dist.") + name] += n
             counter._depth.n = depth + 1
             try:
                 return fn(*args, **kwargs)
@@ -164,6 +171,7 @@ class CommCounter:
         self.bytes.clear()
         self.calls.clear()
         self.names.clear()
+        self.name_bytes.clear()
 
 
 _COUNTER: CommCounter | None = None
@@ -202,7 +210,8 @@ class FsdpTracker(LiveTensorTracker):
                 out = func(*args, **(kwargs or {}))
                 for t in tree_leaves(out):
                     if isinstance(t, torch.Tensor):
-                        tracker._add(getattr(t, "_local_tensor", t))
+                        for plain in _plain_tensors(t):
+                            tracker._add(plain)
                 if tracker.current > tracker.peak:
                     tracker.peak = tracker.current
                     tracker.peak_op = str(func)
@@ -229,6 +238,18 @@ class FsdpTracker(LiveTensorTracker):
 
 
 _RESIZE_TRACKER: FsdpTracker | None = None
+
+
+def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding a tensor subclass's storage: a DTensor's local tensor, the
+    AsyncCollectiveTensor that tensor parallel's functional collectives return, ..."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    attrs, _ = t.__tensor_flatten__()
+    inner = (getattr(t, name) for name in attrs)
+    return [plain for x in inner if isinstance(x, torch.Tensor) for plain in _plain_tensors(x)]
 
 
 def _tracked_resize(original):
@@ -283,11 +304,21 @@ def run_rank(rank: int, world: int, args, port: int | None, pattern: str, result
     model = GPT(args.vocab, args.ctx, args.d_model, args.layers, args.heads).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     root_params = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("blocks."))
-    if args.replicas > 1:  # HSDP: reduce-scatter within a replica, all-reduce across replicas
+    data_ranks, data_rank = world, rank  # data-parallel ranks, each with micro-batches of its own
+    if args.tp > 1:  # tensor parallel on "tp" (each block's MLP), FSDP2 over "dp"
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        tp_mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        for block in model.blocks:
+            parallelize_module(block, tp_mesh["tp"], {"fc": ColwiseParallel(), "fc_proj": RowwiseParallel()})
+        mesh = tp_mesh["dp"]
+        data_ranks, data_rank = mesh.size(), mesh.get_local_rank()  # a "tp" group shares its micro-batches
+    elif args.replicas > 1:  # HSDP: reduce-scatter within a replica, all-reduce across replicas
         mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas),
                                 mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,))
+    # the parameters one data-parallel rank holds before fully_shard (with --tp its tensor-parallel part)
+    local_params = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
     mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16
                  else MixedPrecisionPolicy())
     for block in model.blocks:
@@ -301,12 +332,12 @@ def run_rank(rank: int, world: int, args, port: int | None, pattern: str, result
                                 max_grad_norm=MAX_GRAD_NORM, in_backward=pattern == "c")
 
     # this rank's k micro-batches (reused every window) and the window's token total over all ranks
-    gen = torch.Generator().manual_seed(100 + rank)
+    gen = torch.Generator().manual_seed(100 + data_rank)
     batches = []
-    for b in micro_batch_sizes(rank, k):
+    for b in micro_batch_sizes(data_rank, k):
         idx = torch.randint(0, args.vocab, (b, args.seq + 1), generator=gen)
         batches.append((idx[:, :-1].to(device), idx[:, 1:].to(device)))
-    window_tokens = sum(b * args.seq for r in range(world) for b in micro_batch_sizes(r, k))
+    window_tokens = sum(b * args.seq for r in range(data_ranks) for b in micro_batch_sizes(r, k))
 
     def window() -> None:
         for j, (x, y) in enumerate(batches):
@@ -315,14 +346,14 @@ def run_rank(rank: int, world: int, args, port: int | None, pattern: str, result
             loss = model(x, y)
             tokens = x.numel()
             if pattern == "native":
-                (loss * (tokens * world / window_tokens)).backward()  # FSDP2 divides by world
+                (loss * (tokens * data_ranks / window_tokens)).backward()  # FSDP2 divides by data_ranks
             else:
                 opt.backward(loss, weight=tokens)
                 if pattern != "c":
                     opt.step()
                     opt.zero_grad()
         if pattern == "native":
-            torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
+            clip_native(params, MAX_GRAD_NORM)
             opt.step()
             opt.zero_grad()
 
@@ -348,7 +379,8 @@ def run_rank(rank: int, world: int, args, port: int | None, pattern: str, result
     sync()
     peak = torch.cuda.max_memory_allocated() if cuda else tracker.peak
     peak_op = None if cuda else tracker.peak_op  # the op whose output set the peak (None: a resize_)
-    comm = {"bytes": dict(counter.bytes), "calls": dict(counter.calls), "functions": dict(counter.names)}
+    comm = {"bytes": dict(counter.bytes), "calls": dict(counter.calls), "functions": dict(counter.names),
+            "function_bytes": dict(counter.name_bytes)}
     dispatch_ops = dict(tracker.collective_ops) if tracker is not None else {}
     if tracker is not None:
         tracker.mode.__exit__(None, None, None)
@@ -379,7 +411,8 @@ def run_rank(rank: int, world: int, args, port: int | None, pattern: str, result
                                    "dispatch_ops": dispatch_ops})
     if rank == 0 and result_path is not None:
         Path(result_path).write_text(json.dumps({
-            "pattern": pattern, "ranks": world, "replicas": args.replicas, "params": n_params, "root_params": root_params,
+            "pattern": pattern, "ranks": world, "replicas": args.replicas, "tp": args.tp, "params": n_params,
+            "root_params": root_params, "local_params": local_params,
             "window_tokens": window_tokens, "ms_per_window": statistics.median(times) * 1e3,
             "all_ms": [t * 1e3 for t in times], "per_rank": peaks,
             "fingerprint": fingerprint.tolist(), "dist_backend": dist.get_backend(),
@@ -393,6 +426,23 @@ def run_rank(rank: int, world: int, args, port: int | None, pattern: str, result
         dist.destroy_process_group()
 
 
+def clip_native(params: list, max_norm: float) -> None:
+    """torch.nn.utils.clip_grad_norm_; with tensor parallel, whose parameters are on two meshes
+    (dp x "tp" and dp alone) that clip_grad_norm_ cannot stack together, the norm of each mesh's
+    gradients (DTensor's all-reduce) combined here, as torchtitan does."""
+    by_mesh = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            by_mesh[p.grad.device_mesh].append(p.grad)
+    if len(by_mesh) <= 1:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    norms = [torch.nn.utils.get_total_norm(grads).full_tensor() for grads in by_mesh.values()]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    coef = min(1.0, max_norm / (total.item() + 1e-6))
+    torch._foreach_mul_([g for grads in by_mesh.values() for g in grads], coef)
+
+
 # ------------------------------------------------------------------------------- report
 def expected_bytes(rec: dict, args, world: int) -> dict[str, float]:
     """The model of bytes per rank per window (full-message sizes, see the docstring).
@@ -403,18 +453,30 @@ def expected_bytes(rec: dict, args, world: int) -> dict[str, float]:
     native: clip_grad_norm_'s norm (not modelled). HSDP (--replicas R): the collectives above run
     within a replica (S = world / R ranks); each reduce adds an all-reduce of the fp32 gradient
     shard (P / S) across the replicas, and accum_fused's values are all-reduced twice (over the
-    shards, then the replicas). Padding of shards to a multiple of S is not modelled. One rank:
-    FSDP2 and DTensor skip their collectives (accum_fused's all-reduce runs)."""
+    shards, then the replicas). Tensor parallel (--tp N): FSDP2's collectives run over "dp"
+    (S = world / N ranks) on each rank's tensor-parallel part of the model (P_local: the MLPs'
+    fc weight and bias and fc_proj weight 1/N each, the rest whole) instead of P; accum_fused's
+    values get one more (the weight total of every rank, for the "tp" check) and are all-reduced
+    once per mesh dimension (twice); tensor parallel itself all-reduces each block's activations
+    (b, seq, d) twice per micro-batch: fc_proj's output in forward, fc's input gradient in
+    backward (activation dtype: param_dtype). Padding of shards to a multiple of S is not
+    modelled. One rank: FSDP2 and DTensor skip their collectives (accum_fused's all-reduce runs)."""
     P, root, k = rec["params"], rec["root_params"], args.k
-    replicas = rec.get("replicas", 1)
-    shards = world // replicas
+    replicas, tp = rec.get("replicas", 1), rec.get("tp", 1)
+    shards = world // replicas // tp
     p_bytes = 2 if args.bf16 else 4
     reduces = k if rec["pattern"] in ("a", "c") else 1
     sharded = 1 if shards > 1 else 0
     across_replicas = reduces * P / shards * 4 if replicas > 1 else 0
-    ours = 8 * (3 + 3 * k) * (2 if replicas > 1 else 1)
-    return {"reduce_scatter": sharded * reduces * P * 4, "all_gather": sharded * k * (2 * P - root) * p_bytes,
-            "all_reduce": ours + across_replicas if rec["pattern"] != "native" else float("nan")}
+    mesh_dims = 2 if replicas > 1 or tp > 1 else 1
+    ours = 8 * (3 + 3 * k + (1 if tp > 1 else 0)) * mesh_dims
+    P_local = rec.get("local_params", P)
+    # rank 0 (whose bytes are counted) reads data-parallel rank 0's micro-batches
+    tp_activations = (2 * args.layers * sum(micro_batch_sizes(0, k)) * args.seq * args.d_model * p_bytes
+                      if tp > 1 else 0)
+    return {"reduce_scatter": sharded * reduces * P_local * 4, "all_gather": sharded * k * (2 * P_local - root) * p_bytes,
+            "all_reduce": ours + across_replicas + tp_activations if rec["pattern"] != "native" else float("nan"),
+            "all_reduce_tp_activations": tp_activations, "all_reduce_accum_fused": ours}
 
 
 def main() -> int:
@@ -423,6 +485,8 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=2, help="processes to start (ignored under torchrun)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="HSDP: a 2-D mesh of this many replicas, each sharding over ranks / replicas")
+    parser.add_argument("--tp", type=int, default=1,
+                        help='tensor parallel + FSDP2: a (dp, "tp") mesh with this many ranks per "tp" group')
     parser.add_argument("--patterns", default=",".join(PATTERNS))
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--ctx", type=int, default=64)
@@ -439,6 +503,11 @@ def main() -> int:
     patterns = [p for p in args.patterns.split(",") if p]
     if set(patterns) - set(PATTERNS):
         parser.error(f"--patterns: choose from {','.join(PATTERNS)}")
+    if args.tp > 1 and args.replicas > 1:
+        parser.error("--tp and --replicas > 1 do not combine (HSDP + tensor parallel is a 3-D mesh)")
+    ranks = int(os.environ.get("WORLD_SIZE", args.ranks))
+    if args.tp < 1 or ranks % args.tp:
+        parser.error(f"--tp {args.tp} must divide the number of ranks ({ranks})")
     if args.json is None:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         args.json = str(HERE / "results" / f"fsdp_{args.device}_{stamp}.json")
@@ -477,14 +546,17 @@ def main() -> int:
             "peak_bytes_max_rank": peak, "peak_B_per_param": peak / rec["params"],
             "resident_B_per_param": max(r["resident"] for r in rec["per_rank"]) / rec["params"],
             "bytes_rank0": r0["comm"]["bytes"], "calls_rank0": r0["comm"]["calls"],
-            "functions_rank0": r0["comm"]["functions"], "dispatch_collective_ops_rank0": r0["dispatch_ops"],
+            "functions_rank0": r0["comm"]["functions"], "function_bytes_rank0": r0["comm"].get("function_bytes", {}),
+            "dispatch_collective_ops_rank0": r0["dispatch_ops"],
             "expected_bytes": model,
             "fingerprint_rel_diff_vs_native": abs(rec["fingerprint"][1] - base_fp[1]) / base_fp[1],
             "all_ms": rec["all_ms"], "per_rank": rec["per_rank"],
         })
 
     P = records[0]["params"]
-    layout = f" (HSDP: {args.replicas} replicas of {world // args.replicas} shards)" if args.replicas > 1 else ""
+    layout = (f" (HSDP: {args.replicas} replicas of {world // args.replicas} shards)" if args.replicas > 1 else
+              f" (tensor parallel {args.tp} x FSDP2 over {world // args.tp}: dp x \"tp\"; "
+              f"{records[0]['local_params'] / 1e6:.2f}M params per tp rank before sharding)" if args.tp > 1 else "")
     print(f"{world} rank(s){layout}, {records[0]['dist_backend']} on {records[0]['device']}; GPT {P / 1e6:.2f}M params "
           f"(root unit {records[0]['root_params'] / 1e6:.2f}M), k={args.k}, {args.seq}-token sequences, 1-4 per "
           f"micro-batch, {records[0]['window_tokens']} tokens per window (all ranks), "
@@ -506,11 +578,17 @@ def main() -> int:
               f"reached by {row['per_rank'][0]['peak_op'] or 'a storage resize_ (FSDP2 allocating unsharded parameters)'} "
               "on rank 0")
     for row in rows:
-        print(f"{row['pattern']}: calls {row['functions_rank0']}; dispatcher c10d ops {row['dispatch_collective_ops_rank0']}")
+        print(f"{row['pattern']}: calls {row['functions_rank0']}; bytes {row['function_bytes_rank0']}; "
+              f"dispatcher c10d ops {row['dispatch_collective_ops_rank0']}")
+    if args.tp > 1:
+        m = rows[0]["expected_bytes"]
+        print(f"all-reduce model (tp): accum_fused's agreement {m['all_reduce_accum_fused']:.0f} B (dist.all_reduce), "
+              f"tensor parallel's activations {m['all_reduce_tp_activations']:.0f} B (funcol.all_reduce)")
     record = {
         "benchmark": "bench_fsdp", "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(sys.argv), "args": vars(args), "ranks": world, "params": P,
-        "root_params": records[0]["root_params"], "dist_backend": records[0]["dist_backend"],
+        "root_params": records[0]["root_params"], "local_params": records[0].get("local_params"),
+        "dist_backend": records[0]["dist_backend"],
         "device": records[0]["device"], "cpu_count": os.cpu_count(),
         "loadavg_at_start": load_at_start, "loadavg_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "torch": torch.__version__, "accum_fused": accum_fused.__version__, "python": platform.python_version(),

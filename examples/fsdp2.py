@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 examples/fsdp2.py                  # CPU, gloo, pattern a
     torchrun --nproc-per-node 2 examples/fsdp2.py --pattern b --bf16
     torchrun --nproc-per-node 4 examples/fsdp2.py --replicas 2     # HSDP: 2 replicas of 2 shards
+    torchrun --nproc-per-node 4 examples/fsdp2.py --tp 2           # tensor parallel 2 x FSDP2 over 2
     torchrun --nproc-per-node 8 examples/fsdp2.py --device cuda    # one GPU per rank, NCCL
 
 A tiny GPT (embeddings, 2 pre-LN attention/MLP blocks, tied head) sharded with fully_shard per
@@ -23,6 +24,12 @@ With --replicas R the mesh is HSDP's 2-D one: R replicas, each sharding the mode
 world / R ranks (FSDP2 reduce-scatters within a replica and all-reduces across them); every rank
 is still data-parallel, with micro-batches of its own.
 
+With --tp N the mesh is (dp, "tp"): world / N data-parallel ranks of N tensor-parallel ones. Each
+block's MLP is tensor parallel on "tp" (fc column-wise, fc_proj row-wise), then fully_shard
+shards every parameter over "dp". A "tp" group is one data-parallel rank: its N ranks read the
+same micro-batches (chosen by the dp coordinate) with the same weights; accum_fused counts the
+group once. The dimension must be named "tp". --tp and --replicas > 1 do not combine (3-D mesh).
+
 10 micro-batches per rank per epoch = 2 windows of 4 + a partial one that flush() closes (a
 collective: every rank calls it). The end checks that the loss went down and that the sharded
 model equals a plain model trained with torch.optim.AdamW on each window's concatenated batch.
@@ -39,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import accum_fused
 
@@ -95,7 +103,13 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy(bf16 params, fp32 reduce)")
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--replicas", type=int, default=1, help="HSDP: replicas of the sharded model (divides the ranks)")
+    parser.add_argument("--tp", type=int, default=1, help='tensor parallel: ranks per "tp" group (divides the ranks)')
     args = parser.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun
+    if args.tp > 1 and args.replicas > 1:
+        parser.error("--tp and --replicas > 1 do not combine: HSDP + tensor parallel is a 3-D mesh, not supported")
+    if args.tp < 1 or world % args.tp:
+        parser.error(f"--tp {args.tp} must divide the number of ranks ({world})")
 
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -107,7 +121,14 @@ def main() -> None:
     torch.manual_seed(0)  # the same initial model on every rank (fully_shard keeps each rank's shard)
     model = TinyGPT().to(device)
     reference = copy.deepcopy(model)  # unsharded, for the check at the end
-    if args.replicas > 1:  # HSDP
+    data_ranks, data_rank = world, rank  # data-parallel ranks: each reads micro-batches of its own
+    if args.tp > 1:  # tensor parallel within a "tp" group, FSDP2 over "dp"
+        tp_mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        for block in model.blocks:  # fc's output columns and fc_proj's input rows split over "tp"
+            parallelize_module(block, tp_mesh["tp"], {"fc": ColwiseParallel(), "fc_proj": RowwiseParallel()})
+        mesh = tp_mesh["dp"]
+        data_ranks, data_rank = mesh.size(), mesh.get_local_rank()  # a "tp" group shares its micro-batches
+    elif args.replicas > 1:  # HSDP
         mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,))
@@ -120,8 +141,8 @@ def main() -> None:
                             max_grad_norm=1.0, in_backward=args.pattern == "c")
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.01)
 
-    shards = [shard_of(r, device) for r in range(world)]  # every rank's data: only for the reference
-    mine = shards[rank]
+    shards = [shard_of(r, device) for r in range(data_ranks)]  # every data-parallel rank's data: only for the reference
+    mine = shards[data_rank]
     first_loss = last_loss = None
     for epoch in range(args.epochs):
         total, tokens = torch.zeros(2, dtype=torch.float64, device=device), 0
@@ -148,7 +169,7 @@ def main() -> None:
             ref_opt.step()
             ref_opt.zero_grad()
 
-        dist.all_reduce(total)
+        dist.all_reduce(total)  # with --tp each batch is counted tp times, numerator and denominator alike
         mean = (total[0] / total[1]).item()
         first_loss = mean if first_loss is None else first_loss
         last_loss = mean
@@ -163,8 +184,9 @@ def main() -> None:
     # bf16 4e-2 (1e-3 with eps=1e-3, against 2e-2 for weight=1): with bf16 only the loss is checked.
     tol = float("inf") if args.bf16 else 1e-3
     ok = last_loss < 0.7 * first_loss and err < tol
+    layout = f" TP {args.tp}" if args.tp > 1 else " HSDP" if args.replicas > 1 else ""
     if rank == 0:
-        print(f"pattern {args.pattern}{' bf16' if args.bf16 else ''}{' HSDP' if args.replicas > 1 else ''}: loss {first_loss:.3f} -> {last_loss:.3f}, "
+        print(f"pattern {args.pattern}{' bf16' if args.bf16 else ''}{layout}: loss {first_loss:.3f} -> {last_loss:.3f}, "
               f"max |sharded - reference| {err:.1e} (tolerance {tol:g}): {'OK' if ok else 'FAILED'}")
     dist.destroy_process_group()
     if not ok:

@@ -73,12 +73,13 @@ def test_tensor_parallel_and_fsdp2_four_ranks(tp_rank_results, case):
 
 
 @needs_fsdp2_on_cpu()
-@pytest.mark.parametrize("launch", [["--nproc-per-node", "2"], ["--nproc-per-node", "4", "--replicas", "2"]],
-                         ids=["1-D", "HSDP"])
+@pytest.mark.parametrize("launch", [["--nproc-per-node", "2"], ["--nproc-per-node", "4", "--replicas", "2"],
+                                    ["--nproc-per-node", "4", "--tp", "2"]],
+                         ids=["1-D", "HSDP", "TP"])
 def test_readme_fsdp2_example_runs(launch):
-    """`torchrun --nproc-per-node 2 examples/fsdp2.py`, and its HSDP run on 4 ranks, as
-    docs/guides/fsdp2.md writes them (it checks itself against a single-process AdamW on the big
-    batch)."""
+    """`torchrun --nproc-per-node 2 examples/fsdp2.py`, and its HSDP and tensor-parallel (--tp 2)
+    runs on 4 ranks, as docs/guides/fsdp2.md writes them (it checks itself against a
+    single-process AdamW on the big batch)."""
     example = Path(__file__).resolve().parents[1] / "examples" / "fsdp2.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *launch[:2], str(example), *launch[2:]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
