@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import warnings
 import weakref
 from typing import Any, Callable
@@ -154,6 +155,7 @@ class AccumulatingOptimizer:
             sync = distributed.WindowSync(process_group, name)
             sync.add_params(params, state_dtype)
         self._window = Window(sync, shards)
+        self._wired = [group["params"] for group in self.param_groups]  # (what _check_open compares)
         if mesh is None:  # replicas: a DistributedDataParallel model is enough (ddp.py)
             self._ddp = ddp.Takeover(self, self._window, params)
         if in_backward:
@@ -177,16 +179,18 @@ class AccumulatingOptimizer:
                 self._window.sync.add_params(self.param_groups[-1]["params"], state_dtype)
             if self.in_backward:
                 hooks.register_hooks(self._hooks, self.param_groups[-1]["params"])
+            if self.__dict__.get("_wired") is not None:
+                self._wired.append(self.param_groups[-1]["params"])
 
     def _add_group(self, param_group) -> None:
         super().add_param_group(param_group)
 
-    def _check_params(self, tensors):
+    def _check_params(self, tensors, anew: bool = False):
         """Refuse, before anything changes, parameters no backend can run correctly. Returns
         the FSDP2 device mesh and its tensor-parallel dimension (shard_mesh) when the parameters
-        are DTensors, else None."""
+        are DTensors, else None. ``anew``: ``tensors`` are every parameter (_rewire)."""
         tensors = [t for t in tensors if isinstance(t, Tensor)]
-        built = hasattr(self, "_window")
+        built = hasattr(self, "_window") and not anew
         if not (built and self._window.shards is not None) and not any(is_dtensor(t) for t in tensors):
             return None
         if self.process_group is not None:
@@ -436,6 +440,46 @@ class AccumulatingOptimizer:
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"{what} on this {type(self).__name__}, which was closed (close()); build a new optimizer")
+        wired = self.__dict__.get("_wired")
+        if wired is None or len(wired) != len(self.param_groups) or not all(
+                map(operator.is_, wired, (group["params"] for group in self.param_groups))):
+            self._rewire(wired is not None)
+
+    def _rewire(self, rebound: bool) -> None:
+        """The parameters the window is wired to (FSDP2's mesh, in_backward's hooks, buffers) are
+        each param group's ``"params"`` list, checked by identity as a window's entry points run
+        (O(groups)). One replaced by a new list, as accelerate's FSDP2 ``prepare`` does (each
+        parameter swapped for its sharded DTensor after the optimizer was built), is followed
+        between windows, as if the optimizer had been built on the new parameters; mid-window,
+        or where a process group holds the old ones, it is refused, nothing changed."""
+        if rebound:
+            name, win = type(self).__name__, self._window
+            if win.micro_step or win.live:
+                raise RuntimeError(
+                    f"a param group's parameters were replaced (its \"params\" list) while {name}'s window was open "
+                    f"({win.micro_step} micro-batch(es) in it): replace them between windows (after an update, or "
+                    "flush())"
+                )
+            if self.process_group is not None:
+                raise NotImplementedError(
+                    f"a param group's parameters were replaced (its \"params\" list) after {name} was built with a "
+                    "process group (process_group=, or a DistributedDataParallel model it took over): build the "
+                    "optimizer on the parameters it is to update"
+                )
+            params = self._all_params()
+            mesh = self._check_params(params, anew=True)
+            if self.in_backward:  # (first: it refuses parameters another optimizer takes, nothing changed)
+                hooks.rewire(self._hooks, params)
+            win.shards = None if mesh is None else distributed.ShardSync(*mesh, name)
+            if mesh is not None and self._ddp is not None:  # (DTensors: no DDP module to watch for)
+                self._ddp.close()
+                win.listeners.remove(self._ddp)
+                self._ddp = None
+            elif mesh is None and self._ddp is None:
+                self._ddp = ddp.Takeover(self, win, params)
+            win.buffers.clear()  # (stale buffers of the parameters replaced)
+            win.changed()
+        self._wired = [group["params"] for group in self.param_groups]
 
     def _run_step_hooks(self, post: bool) -> None:
         """torch.optim's step pre- or post-hooks (global and this optimizer's), for an update that

@@ -539,14 +539,16 @@ TP_DIM = "tp"
 
 def shard_mesh(params: list[Tensor], owner: str):
     """The device mesh that FSDP2 (``fully_shard``) sharded ``params`` over (with tensor
-    parallel, the 2-D mesh whose ``"tp"`` dimension the parameters that are not tensor-parallel
-    do not span), checked: accum_fused's window math for DTensor parameters assumes FSDP2's
-    layouts, in which the gradients are averaged over every data-parallel rank:
-      - a 1-D mesh, every parameter a ``Shard``;
-      - HSDP's 2-D mesh: ``Replicate`` over the replicas, ``Shard`` within each;
-      - tensor parallel + FSDP2: a 2-D mesh of a data-parallel dimension and one named
-        ``"tp"``: on the first FSDP2's ``Shard``, on ``"tp"`` the tensor-parallel ``Shard`` or
-        ``Replicate``; the other parameters on its data-parallel dimension alone.
+    parallel, the mesh whose ``"tp"`` dimension the parameters that are not tensor-parallel do
+    not span), checked: accum_fused's window math for DTensor parameters assumes FSDP2's
+    layouts, in which the gradients are averaged over every data-parallel rank. On the
+    data-parallel dimensions:
+      - one: every parameter a ``Shard`` (fully_shard) or, without tensor parallel, every one a
+        ``Replicate`` (FSDP2's replicate(): whole parameters, gradients all-reduced);
+      - two, HSDP's: ``Replicate`` over the replicas, ``Shard`` within each;
+    and with tensor parallel, a dimension named ``"tp"`` besides them: the tensor-parallel
+    ``Shard`` or ``Replicate`` on it (FSDP2's ``Shard`` may then be a ``_StridedShard``), the
+    other parameters on the data-parallel dimensions alone.
     Returns (the mesh, the index of its tensor-parallel dimension or None): ShardSync's input,
     so that which dimension is tensor parallel is decided here alone."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -557,24 +559,30 @@ def shard_mesh(params: list[Tensor], owner: str):
         problems.append("a mix of DTensor and plain parameters (shard the whole model with fully_shard)")
     mesh = max(meshes, key=lambda m: m.ndim)
     names = mesh.mesh_dim_names or ()
-    tp = names.index(TP_DIM) if mesh.ndim == 2 and TP_DIM in names else None
-    if len(meshes) > 1 and not (tp is not None and all(_dims_of(m, mesh) == [tp ^ 1] for m in meshes - {mesh})):
+    tp = names.index(TP_DIM) if mesh.ndim > 1 and TP_DIM in names else None
+    data = [dim for dim in range(mesh.ndim) if dim != tp]
+    if len(meshes) > 1 and not (tp is not None and all(_dims_of(m, mesh) == data for m in meshes - {mesh})):
         problems.append("parameters on more than one device mesh")
-    layouts = {tuple(type(pl) for pl in p.placements) for p in params if isinstance(p, DTensor) and p.device_mesh == mesh}
-    sharded = all(_is_shard(pl) for p in params if isinstance(p, DTensor) and p.device_mesh != mesh
-                  for pl in p.placements)
-    if mesh.ndim > 2:
-        problems.append(f"a {mesh.ndim}-D device mesh (FSDP2 on a 1-D mesh, HSDP and tensor parallel + FSDP2 on a "
-                        "2-D one are supported)")
+    data_layouts, tp_kinds = set(), set()  # each parameter's placements on the data dimensions; on "tp"
+    for p in params:
+        if isinstance(p, DTensor):
+            kinds = [type(pl) for pl in p.placements]
+            if tp is not None and p.device_mesh == mesh:
+                tp_kinds.add(kinds.pop(tp))
+            data_layouts.add(tuple(kinds))
+    if len(data) > 2:
+        problems.append(f"a {mesh.ndim}-D device mesh with {len(data)} data-parallel dimensions (FSDP2's one, or "
+                        f"HSDP's two, each with or without a tensor-parallel dimension named {TP_DIM!r}, are supported)")
     elif tp is not None:
-        if not sharded or not all(_is_shard(kinds[tp ^ 1]) and kinds[tp] in (Shard, Replicate) for kinds in layouts):
-            problems.append(f"placements on a tensor-parallel mesh {names} other than FSDP2's Shard on its data "
-                            f"dimension and Shard or Replicate on {TP_DIM!r}")
-    elif mesh.ndim == 2 and layouts != {(Replicate, Shard)}:
+        if not (tp_kinds <= {Shard, Replicate} and all(
+                _is_shard(kinds[-1]) and (len(kinds) == 1 or kinds[0] is Replicate) for kinds in data_layouts)):
+            problems.append(f"placements on a tensor-parallel mesh {names} other than FSDP2's (Shard, or HSDP's "
+                            f"Replicate and Shard) on its data dimensions and Shard or Replicate on {TP_DIM!r}")
+    elif len(data) == 2 and data_layouts != {(Replicate, Shard)}:
         problems.append("placements on a 2-D device mesh other than HSDP's (Replicate(), Shard(0)) (for tensor "
                         f"parallel + FSDP2, name its tensor-parallel dimension {TP_DIM!r})")
-    elif mesh.ndim == 1 and layouts != {(Shard,)}:
-        problems.append("placements other than Shard (replicate() is not supported yet)")
+    elif len(data) == 1 and data_layouts not in ({(Shard,)}, {(Replicate,)}):
+        problems.append("placements other than FSDP2's Shard or replicate()'s Replicate (one of them)")
     if problems:
         raise NotImplementedError(f"{owner} got DTensor parameters with {'; '.join(problems)}")
     return mesh, tp
@@ -637,9 +645,9 @@ class ShardSync:
         self.tp_size = 1 if tp is None else mesh.size(tp)
         # The mesh dimensions each parameter's mesh spans, by id (with a reference, so that the id
         # stays its): the whole mesh (an equal object too), or (tensor parallel's other parameters)
-        # its data dimension alone.
+        # its data dimensions alone.
         self._spans = {id(mesh): (mesh, range(mesh.ndim))}
-        self._data_dim = None if tp is None else tp ^ 1
+        self._data_dims = [dim for dim in range(mesh.ndim) if dim != tp]
 
     def counts_here(self, p: Tensor) -> bool:
         """Whether this rank's shard of ``p`` goes into the window's norm: on each dimension of
@@ -647,8 +655,8 @@ class ShardSync:
         parameters, or a dimension ``p``'s mesh does not span), only the first rank's copy."""
         mesh = p.device_mesh
         spans = self._spans.get(id(mesh))
-        if spans is None:  # (shard_mesh checked: a mesh other than the whole spans its data dimension)
-            spans = self._spans[id(mesh)] = (mesh, range(mesh.ndim) if mesh == self.mesh else [self._data_dim])
+        if spans is None:  # (shard_mesh checked: a mesh other than the whole spans its data dimensions)
+            spans = self._spans[id(mesh)] = (mesh, range(mesh.ndim) if mesh == self.mesh else self._data_dims)
         placed = dict(zip(spans[1], p.placements))
         return all(coord == 0 or (dim in placed and _is_shard(placed[dim])) for dim, coord in enumerate(self.coords))
 

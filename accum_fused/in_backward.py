@@ -574,6 +574,24 @@ def register_hooks(hooks: Hooks, params) -> None:
     hooks.group_of = {p: group for group in opt.param_groups for p in group["params"]}
 
 
+def rewire(hooks: Hooks, params: list[Tensor]) -> None:
+    """The optimizer's parameters were replaced between windows (base.py's _rewire): the hooks
+    of the old ones go (their gradients are no longer taken), and ``params`` are hooked anew,
+    on a new table of rows."""
+    opt = hooks.optimizer()
+    claim(opt, params)  # (refuses, before anything changes, parameters another optimizer takes)
+    kept = set(params)
+    remove_hooks(hooks.handles)  # (in place: base.py's finalizer holds the list)
+    for p in hooks.group_of:
+        if p not in kept and _owner(p) is opt:
+            del _owner_of[p]
+    hooks.unhooked = []
+    hooks.fast_path = FastPath.for_optimizer(opt)
+    if hooks.fast_path is not None:
+        hooks.window.caches.hook_state = hooks.fast_path.state
+    register_hooks(hooks, params)
+
+
 def rehook_dropped(hooks: Hooks, take: bool) -> None:
     """Parameters whose hook something took off since the last look: setting
     ``p._post_accumulate_grad_hooks`` to a new dict (directly, or by registering a hook after

@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 2 examples/fsdp2.py --pattern b --bf16
     torchrun --nproc-per-node 4 examples/fsdp2.py --replicas 2     # HSDP: 2 replicas of 2 shards
     torchrun --nproc-per-node 4 examples/fsdp2.py --tp 2           # tensor parallel 2 x FSDP2 over 2
+    torchrun --nproc-per-node 8 examples/fsdp2.py --replicas 2 --tp 2   # both: a 3-D mesh
     torchrun --nproc-per-node 8 examples/fsdp2.py --device cuda    # one GPU per rank, NCCL
 
 A tiny GPT (embeddings, 2 pre-LN attention/MLP blocks, tied head) sharded with fully_shard per
@@ -28,7 +29,8 @@ With --tp N the mesh is (dp, "tp"): world / N data-parallel ranks of N tensor-pa
 block's MLP is tensor parallel on "tp" (fc column-wise, fc_proj row-wise), then fully_shard
 shards every parameter over "dp". A "tp" group is one data-parallel rank: its N ranks read the
 same micro-batches (chosen by the dp coordinate) with the same weights; accum_fused counts the
-group once. The dimension must be named "tp". --tp and --replicas > 1 do not combine (3-D mesh).
+group once. The dimension must be named "tp". With both, the mesh is 3-D (replicate, shard, "tp"):
+fully_shard over HSDP's two data dimensions, tensor parallel on the third.
 
 10 micro-batches per rank per epoch = 2 windows of 4 + a partial one that flush() closes (a
 collective: every rank calls it). The end checks that the loss went down and that the sharded
@@ -106,10 +108,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help='tensor parallel: ranks per "tp" group (divides the ranks)')
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun
-    if args.tp > 1 and args.replicas > 1:
-        parser.error("--tp and --replicas > 1 do not combine: HSDP + tensor parallel is a 3-D mesh, not supported")
-    if args.tp < 1 or world % args.tp:
-        parser.error(f"--tp {args.tp} must divide the number of ranks ({world})")
+    if args.tp < 1 or args.replicas < 1 or world % (args.tp * args.replicas):
+        parser.error(f"--replicas {args.replicas} x --tp {args.tp} must divide the number of ranks ({world})")
 
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -122,12 +122,14 @@ def main() -> None:
     model = TinyGPT().to(device)
     reference = copy.deepcopy(model)  # unsharded, for the check at the end
     data_ranks, data_rank = world, rank  # data-parallel ranks: each reads micro-batches of its own
-    if args.tp > 1:  # tensor parallel within a "tp" group, FSDP2 over "dp"
-        tp_mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+    if args.tp > 1:  # tensor parallel within a "tp" group, FSDP2 over the data dimension(s)
+        dp = ("replicate", "shard") if args.replicas > 1 else ("dp",)
+        shape = (args.replicas, world // args.replicas // args.tp) if args.replicas > 1 else (world // args.tp,)
+        tp_mesh = init_device_mesh(device.type, (*shape, args.tp), mesh_dim_names=(*dp, "tp"))
         for block in model.blocks:  # fc's output columns and fc_proj's input rows split over "tp"
             parallelize_module(block, tp_mesh["tp"], {"fc": ColwiseParallel(), "fc_proj": RowwiseParallel()})
-        mesh = tp_mesh["dp"]
-        data_ranks, data_rank = mesh.size(), mesh.get_local_rank()  # a "tp" group shares its micro-batches
+        mesh = tp_mesh[dp]
+        data_ranks, data_rank = world // args.tp, rank // args.tp  # a "tp" group shares its micro-batches
     elif args.replicas > 1:  # HSDP
         mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
     else:
@@ -184,7 +186,7 @@ def main() -> None:
     # bf16 4e-2 (1e-3 with eps=1e-3, against 2e-2 for weight=1): with bf16 only the loss is checked.
     tol = float("inf") if args.bf16 else 1e-3
     ok = last_loss < 0.7 * first_loss and err < tol
-    layout = f" TP {args.tp}" if args.tp > 1 else " HSDP" if args.replicas > 1 else ""
+    layout = (" HSDP" if args.replicas > 1 else "") + (f" TP {args.tp}" if args.tp > 1 else "")
     if rank == 0:
         print(f"pattern {args.pattern}{' bf16' if args.bf16 else ''}{layout}: loss {first_loss:.3f} -> {last_loss:.3f}, "
               f"max |sharded - reference| {err:.1e} (tolerance {tol:g}): {'OK' if ok else 'FAILED'}")

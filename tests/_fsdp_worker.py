@@ -5,7 +5,10 @@
 With 2 ranks: every scenario of ``SCENARIOS`` on every backend that loads, the model sharded by
 ``fully_shard`` over a 1-D mesh. With 4: HSDP, a 2-D mesh of 2 replicas of 2 shards each
 (``HSDP_SCENARIOS``, on the cpp backend or, without it, the reference: the agreement under test is
-the same on every backend). Each against the single-process big batch over every rank's
+the same on every backend); with FSDP_MESH=tp, tensor parallel + FSDP2 on a (dp 2, "tp" 2) mesh
+(``TP_SCENARIOS``), and with FSDP_MESH=hsdp_tp the same on HSDP's (replicate 2, shard 1) x "tp" 2,
+a 3-D mesh (8 ranks: shard 2). With 2 ranks and FSDP_MESH=replicate: FSDP2's ``replicate()``
+(``REPLICATE_SCENARIOS``). Each against the single-process big batch over every rank's
 micro-batches (plain torch.optim, clip_grad_norm_), computed here from the same seeded data;
 writes {"<scenario>-<name>[<backend>]": "ok" | failure text} to OUT_DIR/rank<RANK>.json.
 
@@ -37,6 +40,8 @@ SIZES = ((3, 1, 5, 2, 4, 1, 2), (2, 4, 1, 1, 1, 3, 5), (1, 2, 2, 5, 1, 4, 3), (4
 RANKS = 2  # this run's data-parallel ranks (main)
 MESH = None  # None: fully_shard's default 1-D mesh; with 4 ranks HSDP's (replicate 2, shard 2)
 TP_MESH = None  # FSDP_MESH=tp: the (dp 2, tp 2) mesh; the model's MLP is tensor-parallel on "tp"
+DP_DIMS = ("dp",)  # TP_MESH's data-parallel dimensions: ("replicate", "shard") under FSDP_MESH=hsdp_tp
+REPLICATE = False  # FSDP_MESH=replicate: replicate() (FSDP2's, replicate_with_fsdp) on 2 ranks
 
 
 class Block(nn.Module):
@@ -108,21 +113,24 @@ def windows(n: int):
     return [list(range(start, min(start + K, n))) for start in range(0, n, K)]
 
 
-def sharded_net(mixed_precision: bool = False) -> Net:
-    model = MODEL()
+def sharded_net(mixed_precision: bool = False, model: nn.Module | None = None) -> Net:
+    model = MODEL() if model is None else model
     kw = {}
     if mixed_precision:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if TP_MESH is not None:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         parallelize_module(model, TP_MESH["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-        fully_shard(model, mesh=TP_MESH["dp"], **kw)
+        fully_shard(model, mesh=TP_MESH[DP_DIMS], **kw)
         return model
+    shard = fully_shard
+    if REPLICATE:  # every rank holds whole parameters (Replicate), FSDP2 all-reduces the gradients
+        from torch.distributed._composable.replicate_with_fsdp import replicate as shard
     if MESH is not None:
         kw["mesh"] = MESH
     for block in model.blocks:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
+        shard(block, **kw)
+    shard(model, **kw)
     return model
 
 
@@ -365,6 +373,36 @@ def refusals(case, rank, backend, data):
         check_close(full(model), before, atol=0, what="a refused window changes nothing")
 
 
+def accelerate_fsdp2(case, rank, backend, data):
+    """accelerate's FSDP2 prepare (FullyShardedDataParallelPlugin(fsdp_version=2)), which runs
+    on GPUs only (on CPU accelerate leaves the plugin unused), done here step for step with
+    accelerate's own function: the optimizer is built on the unsharded model; accelerate puts
+    placeholders in its param groups, shards the model, then gives each group a new list of the
+    sharded DTensors (fsdp2_switch_optimizer_parameters). The optimizer follows the new
+    parameters at its first window: the big batch."""
+    from accelerate.utils.fsdp_utils import fsdp2_switch_optimizer_parameters
+    pattern, name = case.split("-", 1)
+    model = MODEL()
+    opt = OPTIMIZERS[name][0](list(model.parameters()), accumulation_steps=K, backend=backend, max_grad_norm=CLIP,
+                              in_backward="c" in pattern)
+    old = {n: p.data_ptr() for n, p in model.named_parameters()}
+    for group in opt.param_groups:  # accelerate's placeholders, which keep the data pointer
+        for i, p in enumerate(group["params"]):
+            group["params"][i] = torch.empty(1)
+            group["params"][i].data_ptr = p.data_ptr()
+    sharded_net(model=model)
+    fsdp2_switch_optimizer_parameters(opt, {old[n]: p for n, p in model.named_parameters()})
+    assert train(pattern, model, opt, data, rank)
+    assert opt.update_count == 3, opt.update_count
+    check_close(full(model), reference(name, data), what=case)
+    # Replaced again mid-window: refused, nothing changed.
+    opt.backward(model(*data[rank][0]), weight=1.0)
+    if "c" not in pattern:
+        opt.step()
+    opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])
+    expect_error(RuntimeError, "replaced (its \"params\" list) while", lambda: opt.backward(model(*data[rank][1])))
+
+
 SCENARIOS = {
     "big_batch": (big_batch, [f"{p}-{n}" for p in ("a", "b", "c", "bc") for n in OPTIMIZERS
                               if not ("c" in p and "wrapped" in n)]),
@@ -374,6 +412,7 @@ SCENARIOS = {
     "non_finite": (non_finite_skips_everywhere, ["a", "b", "c"]),
     "checkpoint": (checkpoint_mid_window, ["a-AdamW", "a-SGD", "b-SGD", "bc-AdamW", "c-AdamW", "a-RMSprop-wrapped"]),
     "refusals": (refusals, ["grad_scaler", "process_group", "mixed_params", "in_backward_weight", "flush_mismatch"]),
+    "accelerate_fsdp2": (accelerate_fsdp2, ["a-AdamW", "b-SGD", "c-AdamW"]),
 }
 
 
@@ -402,6 +441,17 @@ TP_SCENARIOS = {
 }
 
 
+# replicate() (2 ranks, FSDP2's data parallel without sharding): the norm from one rank's copy,
+# the weight total and the checks over both ranks.
+REPLICATE_SCENARIOS = {
+    "big_batch": (big_batch, ["a-AdamW", "a-SGD", "b-SGD", "c-AdamW", "bc-SGD", "a-RMSprop-wrapped"]),
+    "late_weights": (late_weights, ["equal", "unequal"]),
+    "non_finite": (non_finite_skips_everywhere, ["a", "c"]),
+    "checkpoint": (checkpoint_mid_window, ["a-SGD", "c-AdamW"]),
+    "refusals": (refusals, ["flush_mismatch"]),
+}
+
+
 def hsdp_backends() -> list[str]:
     return ["cpp" if cpu_skip_reason("cpp") is None else "torch"]
 
@@ -418,16 +468,27 @@ def tp_case_ids() -> list[str]:
     return worker_case_ids(TP_SCENARIOS, hsdp_backends())
 
 
+def replicate_case_ids() -> list[str]:
+    return worker_case_ids(REPLICATE_SCENARIOS, hsdp_backends())
+
+
 def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    global RANKS, MESH, TP_MESH, MODEL
+    global RANKS, MESH, TP_MESH, MODEL, REPLICATE, DP_DIMS
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     os.environ["DCP_RUN"] = str(port)  # checkpoint directories of concurrent runs do not collide
     RANKS, data_rank = world_size, rank
     scenarios, backends = SCENARIOS, None
     if world_size == 4 and os.environ.get("FSDP_MESH") == "tp":
         TP_MESH = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        MODEL, RANKS, data_rank = TPNet, 2, TP_MESH["dp"].get_local_rank()  # (tp peers: the same micro-batches)
+        MODEL, RANKS, data_rank = TPNet, 2, rank // 2  # (tp peers: the same micro-batches)
         scenarios, backends = TP_SCENARIOS, hsdp_backends()
+    elif os.environ.get("FSDP_MESH") == "hsdp_tp":  # 3-D: 2 replicas of world/4 shards, x tp 2
+        DP_DIMS = ("replicate", "shard")
+        TP_MESH = init_device_mesh("cpu", (2, world_size // 4, 2), mesh_dim_names=(*DP_DIMS, "tp"))
+        MODEL, RANKS, data_rank = TPNet, world_size // 2, rank // 2
+        scenarios, backends = TP_SCENARIOS, hsdp_backends()
+    elif os.environ.get("FSDP_MESH") == "replicate":
+        REPLICATE, scenarios, backends = True, REPLICATE_SCENARIOS, hsdp_backends()
     elif world_size == 4:
         MESH = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         scenarios, backends = HSDP_SCENARIOS, hsdp_backends()

@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+import accum_fused
+
 from _helpers import (
     OPTIMIZERS,
     assert_params_changed,
@@ -564,3 +566,92 @@ def test_add_param_group_mid_window(backend):
     torch_opt.step()
     torch.testing.assert_close(a.detach(), ref_a.detach(), **FP64)
     torch.testing.assert_close(b.detach(), ref_b.detach(), **FP64)
+
+
+# A param group's "params" replaced by a new list between windows, as accelerate's FSDP2
+# prepare does (tests/_fsdp_worker.py's accelerate_fsdp2 runs that with FSDP2 itself): the
+# optimizer follows the new parameters, as one built on them would; mid-window it refuses.
+MODES = {"plain": {}, "mode A": dict(in_backward=True), "mode B": dict(in_backward=True)}
+
+
+def _micro_batches(opt, model, batches, mode, k):
+    for i, batch in enumerate(batches):
+        if mode == "mode B":
+            opt.backward(loss_of(model, batch), weight=len(batch[0]))
+        elif mode == "mode A":
+            loss_of(model, batch).backward()
+            if (i + 1) % k == 0:
+                opt.step()
+                opt.zero_grad()
+        else:
+            loss_of(model, batch).backward()
+            opt.step(weight=len(batch[0]))
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_params_list_replaced_between_windows_is_followed(backend, mode):
+    k = 3 if mode != "mode A" else 2
+    steps = dict(accumulation_steps=1 if mode == "mode A" else k)
+    old, new = make_model(seed=0), make_model(seed=5)
+    fresh = copy.deepcopy(new)
+    opt = accum_fused.AdamW(old.parameters(), lr=0.05, max_grad_norm=0.5, backend=backend, **steps, **MODES[mode])
+    ref = accum_fused.AdamW(fresh.parameters(), lr=0.05, max_grad_norm=0.5, backend=backend, **steps, **MODES[mode])
+    batches = make_batches([2, 3, 1, 4, 2, 2, 3, 1, 2])
+    _micro_batches(opt, old, batches[:k], mode, k)
+    old_after = [p.detach().clone() for p in old.parameters()]
+    opt.param_groups[0]["params"] = list(new.parameters())
+    _micro_batches(opt, new, batches[k:], mode, k)
+    _micro_batches(ref, fresh, batches[k:], mode, k)
+    assert_params_equal(new, fresh)
+    assert all(torch.equal(a, b) for a, b in zip(old.parameters(), old_after))
+    if MODES[mode]:  # the old parameters' hooks went with them: theirs are autograd's .grad again
+        loss_of(old, batches[0]).backward()
+        assert all(p.grad is not None for p in old.parameters())
+        accum_fused.AdamW(old.parameters(), lr=0.05, in_backward=True)  # (free for another optimizer)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_params_list_replaced_mid_window_is_refused(mode):
+    old, new = make_model(seed=0), make_model(seed=5)
+    twin = copy.deepcopy(old)
+    opt = accum_fused.SGD(old.parameters(), lr=0.1, momentum=0.9, accumulation_steps=3, **MODES[mode])
+    ref = accum_fused.SGD(twin.parameters(), lr=0.1, momentum=0.9, accumulation_steps=3, **MODES[mode])
+    mode = "mode B" if MODES[mode] else "plain"  # (k=3: both in_backward modes close inside backward)
+    batches = make_batches([2, 3, 1])
+    _micro_batches(opt, old, batches[:1], mode, 3)
+    _micro_batches(ref, twin, batches[:1], mode, 3)
+    kept = opt.param_groups[0]["params"]
+    opt.param_groups[0]["params"] = list(new.parameters())
+    with pytest.raises(RuntimeError, match=r'replaced \(its "params" list\) while SGD\'s window was open \(1 '):
+        _micro_batches(opt, new, batches[1:2], mode, 3)
+    with pytest.raises(RuntimeError, match="window was open"):
+        opt.flush()
+    assert opt.micro_step == 1
+    opt.param_groups[0]["params"] = kept  # (put back: the window goes on as if nothing happened)
+    new.zero_grad()
+    _micro_batches(opt, old, batches[1:], mode, 3)
+    _micro_batches(ref, twin, batches[1:], mode, 3)
+    assert opt.update_count == 1
+    assert_params_equal(old, twin)
+
+
+def test_params_list_replaced_by_parameters_another_optimizer_takes_is_refused():
+    """in_backward: the new parameters' gradients are taken by another live in_backward
+    optimizer: refused by name, nothing changed (the old parameters still train)."""
+    old, new = make_model(seed=0), make_model(seed=5)
+    twin = copy.deepcopy(old)
+    opt = accum_fused.SGD(old.parameters(), lr=0.1, accumulation_steps=2, in_backward=True)
+    ref = accum_fused.SGD(twin.parameters(), lr=0.1, accumulation_steps=2, in_backward=True)
+    other = accum_fused.SGD(new.parameters(), lr=0.1, in_backward=True)  # noqa: F841  (holds new's)
+    kept = opt.param_groups[0]["params"]
+    opt.param_groups[0]["params"] = list(new.parameters())
+    batches = make_batches([2, 3])
+    with pytest.raises(RuntimeError, match="already has its gradients taken inside backward"):
+        opt.backward(loss_of(new, batches[0]))
+    opt.param_groups[0]["params"] = kept
+    for batch in batches:
+        opt.backward(loss_of(old, batch))
+        ref.backward(loss_of(twin, batch))
+    assert opt.update_count == 1
+    assert_params_equal(old, twin)

@@ -243,3 +243,16 @@ def test_run_ranks_bounds_a_stall_not_the_whole_run(tmp_path):
         with pytest.raises(pytest.fail.Exception, match=r"no progress for 2 s .*\['case5', 'case5'\]"):
             run_ranks(worker, tmp_path / "hang", 2, 2)
     assert time.monotonic() - start < 30
+
+
+def test_params_list_replaced_with_a_process_group_is_refused(single_rank_group):
+    """The window's reduction is laid out for the parameters it was built with (the buckets, and
+    the broadcast at construction): a group's "params" list replaced afterwards is refused by
+    name at the next window, nothing changed."""
+    model, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=2, process_group=single_rank_group)
+    opt.param_groups[0]["params"] = list(other.parameters())
+    other(torch.randn(3, 2)).sum().backward()
+    with pytest.raises(NotImplementedError, match="build the optimizer on the parameters it is to update"):
+        opt.step()
+    assert opt.micro_step == 0 and all(p.grad is not None for p in other.parameters())

@@ -1,5 +1,6 @@
-"""FSDP2 (``fully_shard``): two processes with gloo on 127.0.0.1 (a 1-D mesh), and four on
-HSDP's 2-D mesh (2 replicas of 2 shards), against the single-process big batch. The scenarios
+"""FSDP2 (``fully_shard``): two processes with gloo on 127.0.0.1 (a 1-D mesh, and FSDP2's
+``replicate()``), and four on HSDP's 2-D mesh (2 replicas of 2 shards) and on tensor parallel +
+FSDP2 (dp 2 x tp 2) and both on a 3-D mesh, against the single-process big batch. The scenarios
 live in ``_fsdp_worker.py``; one set of processes runs all of a mesh's (starting processes and
 importing FSDP2 costs seconds) and every case is its own test here.
 """
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="this PyTorch build has no torch.distributed"
 )
 
-from _fsdp_worker import case_ids, hsdp_case_ids, tp_case_ids  # noqa: E402  (imports torch.distributed)
+from _fsdp_worker import case_ids, hsdp_case_ids, replicate_case_ids, tp_case_ids  # noqa: E402  (imports torch.distributed)
 from _helpers import (finished_apart_from_gloo_exit_abort, needs_fsdp2_on_cpu, run_ranks,  # noqa: E402
                       worker_backends)
 
@@ -72,6 +73,48 @@ def test_tensor_parallel_and_fsdp2_four_ranks(tp_rank_results, case):
         assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
 
 
+@pytest.fixture(scope="module")
+def hsdp_tp_rank_results(tmp_path_factory) -> list[dict[str, str]]:
+    return run_ranks(WORKER, tmp_path_factory.mktemp("hsdp_tp"), 4, TIMEOUT_S, env={"FSDP_MESH": "hsdp_tp"})
+
+
+@needs_fsdp2_on_cpu()
+@pytest.mark.parametrize("case", tp_case_ids())
+def test_hsdp_and_tensor_parallel_3d_mesh_four_ranks(hsdp_tp_rank_results, case):
+    """HSDP x tensor parallel, a 3-D mesh (replicate 2, shard 1, "tp" 2): the weight total over
+    the replicas, the clip norm with each replica's copy counted once (counted twice, SGD's
+    clipped big batch fails) and tensor-parallel shards summed. (Run by hand on 8 ranks, shard 2:
+    tests/_fsdp_worker.py with FSDP_MESH=hsdp_tp.)"""
+    for rank, results in enumerate(hsdp_tp_rank_results):
+        assert case in results, f"rank {rank} did not run {case}"
+        assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
+
+
+@pytest.fixture(scope="module")
+def replicate_rank_results(tmp_path_factory) -> list[dict[str, str]]:
+    return run_ranks(WORKER, tmp_path_factory.mktemp("replicate"), 2, TIMEOUT_S, env={"FSDP_MESH": "replicate"})
+
+
+def _replicate_skip_reason() -> str | None:
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate  # noqa: F401
+    except ImportError:
+        return f"torch {torch.__version__} has no FSDP2 replicate() (torch.distributed._composable.replicate_with_fsdp)"
+    return None
+
+
+@needs_fsdp2_on_cpu()
+@pytest.mark.skipif(_replicate_skip_reason() is not None, reason=str(_replicate_skip_reason()))
+@pytest.mark.parametrize("case", replicate_case_ids())
+def test_replicate_two_ranks(replicate_rank_results, case):
+    """FSDP2's replicate() (whole parameters on every rank, gradients all-reduced): the clip norm
+    from one rank's copy (counted on both, the big batch fails), the weight total, flush check
+    and non-finite skip over both ranks, modes A and B, DCP mid-window."""
+    for rank, results in enumerate(replicate_rank_results):
+        assert case in results, f"rank {rank} did not run {case}"
+        assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
+
+
 @needs_fsdp2_on_cpu()
 @pytest.mark.parametrize("launch", [["--nproc-per-node", "2"], ["--nproc-per-node", "4", "--replicas", "2"],
                                     ["--nproc-per-node", "4", "--tp", "2"]],
@@ -94,8 +137,8 @@ def test_readme_fsdp2_example_runs(launch):
 def test_layouts_other_than_fsdp2_are_refused():
     """Layouts other than FSDP2's raise at construction, naming what is unsupported: Shard on
     both dimensions of a 2-D mesh without a "tp" dimension, Replicate on the data dimension of a
-    tensor-parallel mesh, 3-D meshes, Replicate on a 1-D mesh; HSDP's 2-D layout is accepted (a
-    one-process gloo group in a fresh interpreter)."""
+    tensor-parallel mesh, 3-D meshes, Shard and Replicate mixed on a 1-D mesh; HSDP's 2-D layout
+    and replicate()'s 1-D one are accepted (a one-process gloo group in a fresh interpreter)."""
     script = """
 import socket, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -110,12 +153,16 @@ cases = {
     "other than HSDP's": (mesh_2d, [Shard(0), Shard(1)]),
     "tensor-parallel mesh": (init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp")), [Replicate(), Shard(0)]),
     "3-D device mesh": (init_device_mesh("cpu", (1, 1, 1)), [Replicate(), Replicate(), Shard(0)]),
-    "placements other than Shard": (init_device_mesh("cpu", (1,)), [Replicate()]),
+    "Shard or replicate()'s Replicate (one of them)": (init_device_mesh("cpu", (1,)), [Replicate()]),
 }
+mesh_1d = cases["Shard or replicate()'s Replicate (one of them)"][0]
+accum_fused.AdamW([torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh_1d, [Replicate()]))])
 for expected, (mesh, placements) in cases.items():
-    param = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, placements))
+    params = [torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, placements))]
+    if mesh is mesh_1d:  # (a mix of the two 1-D layouts)
+        params.append(torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])))
     try:
-        accum_fused.AdamW([param])
+        accum_fused.AdamW(params)
     except NotImplementedError as exc:
         assert expected in str(exc), exc
     else:
