@@ -472,26 +472,34 @@ def replicate_case_ids() -> list[str]:
     return worker_case_ids(REPLICATE_SCENARIOS, hsdp_backends())
 
 
-def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
+def set_up_mesh(rank: int, world_size: int, layout: str | None) -> tuple[dict, list | None, int]:
+    """The mesh and model of ``layout`` (FSDP_MESH: None, "tp", "hsdp_tp" or "replicate"; 4 ranks
+    and None: HSDP) into this module's globals; returns (its scenarios, their backends, this
+    rank's data-parallel rank)."""
     global RANKS, MESH, TP_MESH, MODEL, REPLICATE, DP_DIMS
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    os.environ["DCP_RUN"] = str(port)  # checkpoint directories of concurrent runs do not collide
     RANKS, data_rank = world_size, rank
     scenarios, backends = SCENARIOS, None
-    if world_size == 4 and os.environ.get("FSDP_MESH") == "tp":
+    if world_size == 4 and layout == "tp":
         TP_MESH = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         MODEL, RANKS, data_rank = TPNet, 2, rank // 2  # (tp peers: the same micro-batches)
         scenarios, backends = TP_SCENARIOS, hsdp_backends()
-    elif os.environ.get("FSDP_MESH") == "hsdp_tp":  # 3-D: 2 replicas of world/4 shards, x tp 2
+    elif layout == "hsdp_tp":  # 3-D: 2 replicas of world/4 shards, x tp 2
         DP_DIMS = ("replicate", "shard")
         TP_MESH = init_device_mesh("cpu", (2, world_size // 4, 2), mesh_dim_names=(*DP_DIMS, "tp"))
         MODEL, RANKS, data_rank = TPNet, world_size // 2, rank // 2
         scenarios, backends = TP_SCENARIOS, hsdp_backends()
-    elif os.environ.get("FSDP_MESH") == "replicate":
+    elif layout == "replicate":
         REPLICATE, scenarios, backends = True, REPLICATE_SCENARIOS, hsdp_backends()
     elif world_size == 4:
         MESH = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         scenarios, backends = HSDP_SCENARIOS, hsdp_backends()
+    return scenarios, backends, data_rank
+
+
+def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    os.environ["DCP_RUN"] = str(port)  # checkpoint directories of concurrent runs do not collide
+    scenarios, backends, data_rank = set_up_mesh(rank, world_size, os.environ.get("FSDP_MESH"))
     data = make_data()[:RANKS]
     run_worker_cases(scenarios, rank, out_dir, lambda run, name, backend: run(name, data_rank, backend, data), backends)
     dist.destroy_process_group()
