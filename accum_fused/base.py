@@ -25,7 +25,7 @@ from torch import Tensor
 from . import checkpoint, ddp, distributed, in_backward as hooks
 from .checkpoint import called_from_torch_checkpoint
 from . import framework_guard as guard
-from .layout import is_dtensor, readable_grad, state_dtype
+from .layout import is_dtensor, state_dtype
 from .update import UpdateSpec
 from .window import Window
 from .window import plain
@@ -146,22 +146,32 @@ class AccumulatingOptimizer:
         self._releases: list = []
         self._closed = False
         self._ddp: ddp.Takeover | None = None  # DDP's sync taken over (ddp.py)
-        name, params = type(self).__name__, self._all_params()
+        params = self._all_params()
         mesh = self._check_params(params)
-        # FSDP2 (DTensor parameters): the ranks of the mesh agree once per window (ShardSync).
-        shards = None if mesh is None else distributed.ShardSync(*mesh, name)
         sync = None
         if process_group is not None:
-            sync = distributed.WindowSync(process_group, name)
+            sync = distributed.WindowSync(process_group, type(self).__name__)
             sync.add_params(params, state_dtype)
-        self._window = Window(sync, shards)
-        self._wired = [group["params"] for group in self.param_groups]  # (what _check_open compares)
-        if mesh is None:  # replicas: a DistributedDataParallel model is enough (ddp.py)
-            self._ddp = ddp.Takeover(self, self._window, params)
+        self._window = Window(sync)
+        self._wire(params, mesh)
         if in_backward:
             self._hooks = hooks.install(self, self._window, weakref.WeakMethod(self._run_step_hooks))
             # (its hooks hold it weakly; when the optimizer is collected they go with it, close() earlier)
             self._releases.append(weakref.finalize(self, hooks.remove_hooks, self._hooks.handles))
+
+    def _wire(self, params: list[Tensor], mesh) -> None:
+        """The window's ranks for ``params`` (construction; _rewire): with FSDP2 (DTensors on
+        ``mesh``, what _check_params found) the mesh's, which agree once per window (ShardSync);
+        else a DistributedDataParallel model's, once one wraps them (ddp.py)."""
+        win = self._window
+        win.shards = None if mesh is None else distributed.ShardSync(*mesh, type(self).__name__)
+        if mesh is not None and self._ddp is not None:
+            self._ddp.close()
+            win.listeners.remove(self._ddp)
+            self._ddp = None
+        elif mesh is None and self._ddp is None:
+            self._ddp = ddp.Takeover(self, win, params)
+        self._wired = [group["params"] for group in self.param_groups]  # (what _check_open compares)
 
     # ----------------------------------------------------------------------------- params
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -204,26 +214,6 @@ class AccumulatingOptimizer:
 
     def _all_params(self) -> list[Tensor]:
         return self.update_spec.params(self)
-
-    def _collect_grads(self) -> list[tuple[Tensor, Tensor]]:
-        """(param, grad) for every parameter with a gradient, validated: no sparse gradient,
-        and fused=True groups on a device and dtype torch's fused kernels support, as torch
-        checks at step() (fused=True is accepted: every backend call is one fused pass)."""
-        pairs = [(p, p.grad) for p in self._all_params() if p.grad is not None]
-        for _, grad in pairs:
-            if grad.is_sparse:
-                raise RuntimeError(
-                    f"{type(self).__name__} does not support sparse gradients (a parameter has "
-                    "one); use torch.optim.SparseAdam or nn.Embedding(sparse=False)"
-                )
-        pairs = [(p, readable_grad(grad)) for p, grad in pairs]
-        fused = {p for group in self.param_groups if group.get("fused") for p in group["params"]}
-        if fused:
-            from torch.optim.optimizer import _device_dtype_check_for_fused  # torch's own message
-            for p, _ in pairs:
-                if p in fused:
-                    _device_dtype_check_for_fused(p)
-        return pairs
 
     # ------------------------------------------------------------------------------- step
     # The window bookkeeping is host code: torch.compile(opt.step) runs it eagerly. The lazy
@@ -276,7 +266,7 @@ class AccumulatingOptimizer:
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         if plain.take_with_table(win, self, weight, grad_scale, found_inf):  # (the common micro-batch, in one C++ call)
             return loss
-        pairs = self._collect_grads()
+        pairs = plain.collect_grads(self)
         if not pairs and not self.in_backward and self.accumulation_steps > 1:  # (k=1: a no-op, as torch's)
             self._warn_no_gradient(weight)
         plain.add_micro_batch(win, self, pairs, weight, grad_scale, found_inf)
@@ -441,45 +431,38 @@ class AccumulatingOptimizer:
         if self._closed:
             raise RuntimeError(f"{what} on this {type(self).__name__}, which was closed (close()); build a new optimizer")
         wired = self.__dict__.get("_wired")
-        if wired is None or len(wired) != len(self.param_groups) or not all(
+        if wired is None:  # (unpickled)
+            self._wired = [group["params"] for group in self.param_groups]
+        elif len(wired) != len(self.param_groups) or not all(
                 map(operator.is_, wired, (group["params"] for group in self.param_groups))):
-            self._rewire(wired is not None)
+            self._rewire()
 
-    def _rewire(self, rebound: bool) -> None:
+    def _rewire(self) -> None:
         """The parameters the window is wired to (FSDP2's mesh, in_backward's hooks, buffers) are
         each param group's ``"params"`` list, checked by identity as a window's entry points run
         (O(groups)). One replaced by a new list, as accelerate's FSDP2 ``prepare`` does (each
         parameter swapped for its sharded DTensor after the optimizer was built), is followed
         between windows, as if the optimizer had been built on the new parameters; mid-window,
         or where a process group holds the old ones, it is refused, nothing changed."""
-        if rebound:
-            name, win = type(self).__name__, self._window
-            if win.micro_step or win.live:
-                raise RuntimeError(
-                    f"a param group's parameters were replaced (its \"params\" list) while {name}'s window was open "
-                    f"({win.micro_step} micro-batch(es) in it): replace them between windows (after an update, or "
-                    "flush())"
-                )
-            if self.process_group is not None:
-                raise NotImplementedError(
-                    f"a param group's parameters were replaced (its \"params\" list) after {name} was built with a "
-                    "process group (process_group=, or a DistributedDataParallel model it took over): build the "
-                    "optimizer on the parameters it is to update"
-                )
-            params = self._all_params()
-            mesh = self._check_params(params, anew=True)
-            if self.in_backward:  # (first: it refuses parameters another optimizer takes, nothing changed)
-                hooks.rewire(self._hooks, params)
-            win.shards = None if mesh is None else distributed.ShardSync(*mesh, name)
-            if mesh is not None and self._ddp is not None:  # (DTensors: no DDP module to watch for)
-                self._ddp.close()
-                win.listeners.remove(self._ddp)
-                self._ddp = None
-            elif mesh is None and self._ddp is None:
-                self._ddp = ddp.Takeover(self, win, params)
-            win.buffers.clear()  # (stale buffers of the parameters replaced)
-            win.changed()
-        self._wired = [group["params"] for group in self.param_groups]
+        name, win = type(self).__name__, self._window
+        if win.micro_step or win.live:
+            raise RuntimeError(
+                f"a param group's parameters were replaced (its \"params\" list) while {name}'s window was open "
+                f"({win.micro_step} micro-batch(es) in it): replace them between windows (after an update, or flush())"
+            )
+        if self.process_group is not None:
+            raise NotImplementedError(
+                f"a param group's parameters were replaced (its \"params\" list) after {name} was built with a "
+                "process group (process_group=, or a DistributedDataParallel model it took over): build the "
+                "optimizer on the parameters it is to update"
+            )
+        params = self._all_params()
+        mesh = self._check_params(params, anew=True)
+        if self.in_backward:  # (first: it refuses parameters another optimizer takes, nothing changed)
+            hooks.rewire(self._hooks, params)
+        win.buffers.clear()  # (stale buffers of the parameters replaced)
+        win.changed()
+        self._wire(params, mesh)
 
     def _run_step_hooks(self, post: bool) -> None:
         """torch.optim's step pre- or post-hooks (global and this optimizer's), for an update that

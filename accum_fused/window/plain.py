@@ -11,8 +11,30 @@ from torch import Tensor
 
 from .. import backends
 from ..backends._kernel_args import device_scalar
-from ..layout import kernel_view
+from ..layout import kernel_view, readable_grad
 from .table import StepTable, conform_optimizer_state
+
+
+def collect_grads(opt) -> list[tuple[Tensor, Tensor]]:
+    """step()'s micro-batch: (param, grad) for every parameter of ``opt`` with a gradient,
+    validated: no sparse gradient, and fused=True groups on a device and dtype torch's fused
+    kernels support, as torch checks at step() (fused=True is accepted: every backend call is
+    one fused pass)."""
+    pairs = [(p, p.grad) for p in opt.update_spec.params(opt) if p.grad is not None]
+    for _, grad in pairs:
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"{type(opt).__name__} does not support sparse gradients (a parameter has "
+                "one); use torch.optim.SparseAdam or nn.Embedding(sparse=False)"
+            )
+    pairs = [(p, readable_grad(grad)) for p, grad in pairs]
+    fused = {p for group in opt.param_groups if group.get("fused") for p in group["params"]}
+    if fused:
+        from torch.optim.optimizer import _device_dtype_check_for_fused  # torch's own message
+        for p, _ in pairs:
+            if p in fused:
+                _device_dtype_check_for_fused(p)
+    return pairs
 
 
 def add_micro_batch(win, opt, pairs, weight: float, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
