@@ -434,7 +434,7 @@ class AccumulatingOptimizer:
         if wired is None:  # (unpickled)
             self._wired = [group["params"] for group in self.param_groups]
         elif len(wired) != len(self.param_groups) or not all(
-                map(operator.is_, wired, (group["params"] for group in self.param_groups))):
+                map(operator.is_, wired, map(_PARAMS, self.param_groups))):
             self._rewire()
 
     def _rewire(self) -> None:
@@ -506,6 +506,9 @@ class AccumulatingOptimizer:
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         restore_defaults(self.__dict__)
+
+
+_PARAMS = operator.itemgetter("params")  # (a param group's list: _check_open's identity check, no Python loop)
 
 
 # What deepcopy / pickle keep besides torch's defaults / state / param_groups.
