@@ -172,6 +172,13 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def assert_every_rank_ran(rank_results: list[dict[str, str]], case: str) -> None:
+    """A worker case (run_worker_cases) ran on every rank and passed there."""
+    for rank, results in enumerate(rank_results):
+        assert case in results, f"rank {rank} did not run {case}"
+        assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
+
+
 def assert_unchanged(opt, before: dict) -> None:
     after = snapshot(opt)
     for i, (a, b) in enumerate(zip(before["params"], after["params"])):

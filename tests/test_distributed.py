@@ -20,7 +20,7 @@ import torch
 import accum_fused
 
 from _dist_worker import case_ids
-from _helpers import finished_apart_from_gloo_exit_abort, run_ranks, worker_backends
+from _helpers import assert_every_rank_ran, finished_apart_from_gloo_exit_abort, run_ranks, worker_backends
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 WORLD_SIZE = 2
@@ -44,9 +44,7 @@ def rank_results(tmp_path_factory) -> list[dict[str, str]]:
 
 @pytest.mark.parametrize("case", case_ids(worker_backends()))
 def test_two_ranks(rank_results, case):
-    for rank, results in enumerate(rank_results):
-        assert case in results, f"rank {rank} did not run {case}"
-        assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
+    assert_every_rank_ran(rank_results, case)
 
 
 # --------------------------------------------------------------------- one process, no peers

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 from _fsdp_worker import case_ids, hsdp_case_ids, replicate_case_ids, tp_case_ids  # noqa: E402  (imports torch.distributed)
-from _helpers import (finished_apart_from_gloo_exit_abort, needs_fsdp2_on_cpu, run_ranks,  # noqa: E402
-                      worker_backends)
+from _helpers import (assert_every_rank_ran, finished_apart_from_gloo_exit_abort, needs_fsdp2_on_cpu,  # noqa: E402
+                      run_ranks, worker_backends)
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
 WORLD_SIZE = 2
@@ -35,9 +35,7 @@ def rank_results(tmp_path_factory) -> list[dict[str, str]]:
 @needs_fsdp2_on_cpu()
 @pytest.mark.parametrize("case", case_ids(worker_backends()))
 def test_two_ranks(rank_results, case):
-    for rank, results in enumerate(rank_results):
-        assert case in results, f"rank {rank} did not run {case}"
-        assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
+    assert_every_rank_ran(rank_results, case)
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +49,7 @@ def test_hsdp_four_ranks(hsdp_rank_results, case):
     """HSDP: the weight total and the flush check over all 4 ranks, the clip norm over the
     shards with each replica's copy counted once (counted twice, SGD's clipped big batch fails),
     non-finite skips, DCP mid-window, modes A and B."""
-    for rank, results in enumerate(hsdp_rank_results):
-        assert case in results, f"rank {rank} did not run {case}"
-        assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
+    assert_every_rank_ran(hsdp_rank_results, case)
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +64,7 @@ def test_tensor_parallel_and_fsdp2_four_ranks(tp_rank_results, case):
     the weight total over the data-parallel ranks only (over the tensor-parallel ones too, the
     big batch fails), the clip norm with tensor-parallel shards summed and replicated parameters
     counted once (counted on every tensor-parallel rank, it fails), modes A and B, DCP."""
-    for rank, results in enumerate(tp_rank_results):
-        assert case in results, f"rank {rank} did not run {case}"
-        assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
+    assert_every_rank_ran(tp_rank_results, case)
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +79,7 @@ def test_hsdp_and_tensor_parallel_3d_mesh_four_ranks(hsdp_tp_rank_results, case)
     the replicas, the clip norm with each replica's copy counted once (counted twice, SGD's
     clipped big batch fails) and tensor-parallel shards summed. (Run by hand on 8 ranks, shard 2:
     tests/_fsdp_worker.py with FSDP_MESH=hsdp_tp.)"""
-    for rank, results in enumerate(hsdp_tp_rank_results):
-        assert case in results, f"rank {rank} did not run {case}"
-        assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
+    assert_every_rank_ran(hsdp_tp_rank_results, case)
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +102,7 @@ def test_replicate_two_ranks(replicate_rank_results, case):
     """FSDP2's replicate() (whole parameters on every rank, gradients all-reduced): the clip norm
     from one rank's copy (counted on both, the big batch fails), the weight total, flush check
     and non-finite skip over both ranks, modes A and B, DCP mid-window."""
-    for rank, results in enumerate(replicate_rank_results):
-        assert case in results, f"rank {rank} did not run {case}"
-        assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
+    assert_every_rank_ran(replicate_rank_results, case)
 
 
 @needs_fsdp2_on_cpu()
