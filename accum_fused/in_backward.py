@@ -27,7 +27,6 @@ record weakly, and the record its optimizer: when the optimizer is collected, it
 """
 from __future__ import annotations
 
-import operator
 import warnings
 import weakref
 from collections import OrderedDict
@@ -185,7 +184,7 @@ class FastPath:
         self.slot_of: dict[Tensor, int] = {}
         self.routes: list = []  # by slot: each row's route (window.table.Route), as build_rows decided it
         self.built = 0  # rows built by the Python loop over the parameters (tests count them)
-        self._slots_of: tuple | None = None  # (parameters, their slots): slots_of
+        self._slots_of: list | None = None  # slots_of's
         self.dict_handles: list[_DictHookHandle] = []  # hooks in a dict of Python hooks (rehook_dropped)
         self._adopted_params: tuple | None = None  # (slots, their parameters, as a set): _params_of_adopted
 
@@ -206,6 +205,7 @@ class FastPath:
             self.params.append(p)
             self.state.add_slot()
             self.state.epoch = -1  # (the new slot has no row yet: built at the next pass)
+            self._slots_of = None
         # (Plain tensors only: FSDP2 calls the dict of a sharded DTensor parameter's Python hooks
         # itself, and would not call a hook in the slot.)
         if type(p) in (Tensor, torch.nn.Parameter) and p.is_leaf and not p._post_accumulate_grad_hooks:
@@ -388,13 +388,15 @@ class FastPath:
         return kept[1], kept[2]
 
     def slots_of(self, params: list[Tensor]) -> list[int | None]:
-        """Each parameter's slot (None: not hooked here), kept while ``params`` are the same."""
+        """Each of the optimizer's parameters' slot (None: not hooked here), ``params`` in the
+        update spec's order. Kept until a slot is added (a parameter unfrozen) or parameters are
+        (a group added): a parameter replaced, or a group gone, is base.py's check
+        (_wiring_stands), whose rewire builds a new FastPath."""
         kept = self._slots_of
-        if kept is not None and len(kept[0]) == len(params) and all(map(operator.is_, kept[0], params)):
-            return kept[1]
-        slots = [self.slot_of.get(p) for p in params]
-        self._slots_of = (list(params), slots)
-        return slots
+        if kept is not None and len(kept) == len(params):
+            return kept
+        self._slots_of = [self.slot_of.get(p) for p in params]
+        return self._slots_of
 
     def window_norms(self, opt, mb: BackwardPass) -> list[Tensor | None]:
         """The norms the pass measured (``mb.norms``, ``mb.slot_norms``), aligned with
@@ -530,12 +532,14 @@ class Hooks:
     weakly in turn), its window, torch's step hooks to run around an update inside backward
     (base.py's, weakly), the extension's hooks and their table (``fast_path``; None without the
     extension), the handles of the hooks on the parameters, the parameters not hooked yet
-    (frozen), each parameter's param group, and whether a dropped hook was warned about."""
+    (frozen), each parameter's param group, and whether a dropped hook was warned about. Also
+    base.py's check that the param groups still hold the parameters hooked (``wiring_stands``)."""
 
-    def __init__(self, opt, window, run_step_hooks: weakref.WeakMethod) -> None:
+    def __init__(self, opt, window, run_step_hooks: weakref.WeakMethod, wiring_stands: weakref.WeakMethod) -> None:
         self.optimizer = weakref.ref(opt)
         self.window = window
         self._run_step_hooks = run_step_hooks
+        self.wiring_stands = wiring_stands
         self.fast_path = FastPath.for_optimizer(opt)
         self.handles: list = []
         self.unhooked: list[Tensor] = []
@@ -547,11 +551,11 @@ class Hooks:
         self._run_step_hooks()(post=post)
 
 
-def install(opt, window, run_step_hooks: weakref.WeakMethod) -> Hooks:
+def install(opt, window, run_step_hooks: weakref.WeakMethod, wiring_stands: weakref.WeakMethod) -> Hooks:
     """Hooks on every parameter of ``opt`` (construction); ``add_param_group`` adds more. The
     hooks go when ``remove_hooks(hooks.handles)`` runs: ``close()``, or the optimizer's
     collection (base.py's finalizer)."""
-    hooks = Hooks(opt, window, run_step_hooks)
+    hooks = Hooks(opt, window, run_step_hooks, wiring_stands)
     if hooks.fast_path is not None:
         window.caches.hook_state = hooks.fast_path.state  # (its rows follow the window as it ends)
     register_hooks(hooks, opt.update_spec.params(opt))
@@ -880,6 +884,8 @@ def _join_pass(hooks: Hooks, p: Tensor) -> tuple[BackwardPass, bool] | None:
     if mb is None:
         if win.passes.owned and not win.passes.own:
             return None  # not a micro-batch of this optimizer (a GAN's other loss): .grad stays, as torch leaves it
+        if not hooks.wiring_stands()():
+            _refuse_replaced(hooks, p)
         mb = begin_pass(hooks, p)
         mb.ender = _queue_end(hooks)
         if hooks.fast_path is not None:
@@ -898,6 +904,24 @@ def _join_pass(hooks: Hooks, p: Tensor) -> tuple[BackwardPass, bool] | None:
         )
     mb.seen.add(p)
     return mb, again
+
+
+def _refuse_replaced(hooks: Hooks, p: Tensor) -> None:
+    """A param group's parameters were replaced since the hooks were put on them (base.py's
+    _wiring_stands), and a backward pass begins: the new ones have no hook, so their gradients
+    would stay out of the window. The hooks cannot be moved from inside one of them (this is
+    ``p``'s), so the pass is refused as it begins, nothing taken; the window's entry points
+    follow the new parameters between windows (base.py's _rewire)."""
+    opt, win = hooks.optimizer(), hooks.window
+    p.grad = None  # (this pass's, left by autograd before the hook: not taken)
+    name = type(opt).__name__
+    win.refuse_replaced_params(name)
+    raise RuntimeError(
+        f"a param group's parameters were replaced (its \"params\" list or one in it) after {name} hooked them "
+        "(in_backward=True), and this backward pass would leave the new ones out: call opt.flush() once after "
+        "replacing them (between windows it hooks the new parameters), or pass the loss to opt.backward(loss); "
+        "this pass took no gradient (zero the others' .grad: opt.zero_grad())"
+    )
 
 
 def _add(hooks: Hooks, p: Tensor, grad, mb: BackwardPass, again: bool) -> None:

@@ -623,7 +623,7 @@ def test_params_list_replaced_mid_window_is_refused(mode):
     _micro_batches(ref, twin, batches[:1], mode, 3)
     kept = opt.param_groups[0]["params"]
     opt.param_groups[0]["params"] = list(new.parameters())
-    with pytest.raises(RuntimeError, match=r'replaced \(its "params" list\) while SGD\'s window was open \(1 '):
+    with pytest.raises(RuntimeError, match=r'replaced \(its "params" list or one in it\) while SGD\'s window was open \(1 '):
         _micro_batches(opt, new, batches[1:2], mode, 3)
     with pytest.raises(RuntimeError, match="window was open"):
         opt.flush()
@@ -634,6 +634,78 @@ def test_params_list_replaced_mid_window_is_refused(mode):
     _micro_batches(ref, twin, batches[1:], mode, 3)
     assert opt.update_count == 1
     assert_params_equal(old, twin)
+
+
+def _copy_state(opt, model, ref, twin):
+    """``opt``'s state of ``model``'s parameters into ``ref``'s of ``twin``'s (state_dict() would
+    raise, as torch's does, on the state of a parameter no longer in a param group)."""
+    for p, q in zip(model.parameters(), twin.parameters()):
+        if p in opt.state:
+            ref.state[q] = copy.deepcopy(opt.state[p])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_parameter_replaced_in_its_list_between_windows_is_followed(backend, mode):
+    """``group["params"][i] = new`` (the list kept, one tensor in it replaced), between
+    windows: followed as a new list is, whatever the mode: the model with the new parameter
+    trains as a fresh optimizer built on it would train it."""
+    k = 3 if mode != "mode A" else 2
+    steps = dict(accumulation_steps=1 if mode == "mode A" else k)
+    model = make_model(seed=0)
+    opt = accum_fused.AdamW(model.parameters(), lr=0.05, backend=backend, **steps, **MODES[mode])
+    batches = make_batches([2, 3, 1, 4, 2, 2, 3, 1, 2])
+    _micro_batches(opt, model, batches[:k], mode, k)
+    replaced = model[0].weight
+    model[0].weight = nn.Parameter(replaced.detach() * 2)
+    opt.param_groups[0]["params"][0] = model[0].weight
+    if mode == "mode A":  # (its loss.backward() gives no call before the pass: the next test)
+        opt.flush()
+    twin = copy.deepcopy(model)
+    ref = accum_fused.AdamW(twin.parameters(), lr=0.05, backend=backend, **steps, **MODES[mode])
+    _copy_state(opt, model, ref, twin)
+    _micro_batches(opt, model, batches[k:], mode, k)
+    _micro_batches(ref, twin, batches[k:], mode, k)
+    assert_params_equal(model, twin)
+
+
+@pytest.mark.parametrize("mode", ["mode A", "mode B"])
+def test_parameter_replaced_under_in_backward_hooks_is_refused_until_flush(mode):
+    """in_backward with the user's own ``loss.backward()``: the new parameter has no hook, and
+    the hooks cannot move inside their own pass, so the first pass after the replacement is
+    refused by name, nothing taken; ``flush()`` then follows the new parameter, and training
+    goes on as with a fresh optimizer built on it."""
+    k = 2
+    steps = dict(accumulation_steps=1 if mode == "mode A" else k)
+    model = make_model(seed=0)
+    opt = accum_fused.SGD(model.parameters(), lr=0.1, momentum=0.9, in_backward=True, **steps)
+    batches = make_batches([2, 3, 1, 4, 2, 2])
+
+    def window(optimizer, net, pair):
+        for batch in pair:
+            loss_of(net, batch).backward()
+        if mode == "mode A":
+            optimizer.step()
+
+    window(opt, model, batches[:2])
+    model[2].weight = nn.Parameter(model[2].weight.detach() * 2)
+    opt.param_groups[0]["params"][2] = model[2].weight
+    twin = copy.deepcopy(model)
+    ref = accum_fused.SGD(twin.parameters(), lr=0.1, momentum=0.9, in_backward=True, **steps)
+    _copy_state(opt, model, ref, twin)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"replaced \(its \"params\" list or one in it\) after SGD hooked them "
+                                           r"\(in_backward=True\).*call opt.flush\(\) once"):
+        loss_of(model, batches[2]).backward()
+    assert opt.micro_step == 0 and opt.update_count == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    opt.zero_grad()
+    assert opt.flush() is False
+    window(opt, model, batches[2:4])
+    window(opt, model, batches[4:6])
+    window(ref, twin, batches[2:4])
+    window(ref, twin, batches[4:6])
+    assert opt.update_count == 3
+    assert_params_equal(model, twin)
 
 
 def test_params_list_replaced_by_parameters_another_optimizer_takes_is_refused():

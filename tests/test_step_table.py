@@ -212,14 +212,26 @@ def test_a_new_param_group_and_a_replaced_parameter_are_seen(monkeypatch):
     loss.backward()
     opt.step()
     assert counted.taken == taken and extra in opt._window.live  # through Python: the list changed
-    # A parameter replaced inside a group's list: its gradient must not be lost.
+    # A parameter replaced inside a group's list mid-window: refused by name (the window holds
+    # the old one's gradients), nothing changed; between windows, followed: its gradient is not lost.
     replacement = nn.Parameter(model.side.bias.detach().clone())
     group = opt.param_groups[0]
-    group["params"][next(i for i, q in enumerate(group["params"]) if q is model.side.bias)] = replacement
+    at = next(i for i, q in enumerate(group["params"]) if q is model.side.bias)
+    group["params"][at] = replacement
     model.body(batches[6][0]).sum().backward()
     replacement.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match=r"replaced \(its \"params\" list or one in it\) while AdamW's window was open"):
+        opt.step()
+    assert opt.micro_step == 2 and replacement not in opt._window.live
+    group["params"][at] = model.side.bias  # (put back: the window goes on)
     opt.step()
-    assert replacement in opt._window.live
+    opt.flush()
+    group["params"][at] = replacement
+    opt.zero_grad()
+    model.body(batches[7][0]).sum().backward()
+    replacement.grad = torch.ones(3)
+    opt.step()
+    assert replacement in opt._window.live and model.side.bias not in opt._window.buffers
 
 
 def test_loading_a_mid_window_state_dict_and_copies_keep_the_window(monkeypatch):

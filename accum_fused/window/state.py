@@ -191,6 +191,16 @@ class Window:
             if record is not None:
                 setattr(getattr(self, record), field, value)
 
+    def refuse_replaced_params(self, name: str) -> None:
+        """Refuse parameters replaced in ``name``'s param groups while the window is open (its
+        buffers are the old parameters'): base.py's _rewire and in_backward's pass alike."""
+        if self.micro_step or self.live:
+            raise RuntimeError(
+                f"a param group's parameters were replaced (its \"params\" list or one in it) while {name}'s window "
+                f"was open ({self.micro_step} micro-batch(es) in it): replace them between windows (after an update, "
+                "or flush())"
+            )
+
     def changed(self) -> None:
         """``buffers``, ``live`` or ``adopted`` changed in a way the fast paths' tables are not
         told of: a new layout epoch, in which they are built anew."""

@@ -11,7 +11,6 @@ add_micro_batch (plain mode's Python path) is the spec they are tested against.
 """
 from __future__ import annotations
 
-import operator
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -217,11 +216,12 @@ class UpdatePlan:
         return tuple((group.get("amsgrad"), group.get("momentum", 0) != 0) for group in opt.param_groups)
 
     def stand(self, opt) -> bool:
+        """(The parameters themselves are base.py's check, _wiring_stands, which every entry
+        point runs first: a change drops the plan.)"""
         groups = [group for group in opt.param_groups if group["params"]]
         spec = opt.update_spec
         return (self.key == UpdatePlan.state_key(opt) and len(groups) == len(self.calls)
                 and all(group is kept_group and len(group["params"]) == len(params)
-                        and all(map(operator.is_, group["params"], params))
                         and spec.lists_stand(opt, params, lists)
                         and _layout_stands(spec, params, lists, layout)
                         for group, (kept_group, params, lists, _, _), layout in zip(groups, self.calls, self.layouts)))
