@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from . import checkpoint, ddp, distributed, in_backward as hooks
+from . import backends, checkpoint, ddp, distributed, in_backward as hooks
 from .checkpoint import called_from_torch_checkpoint
 from . import framework_guard as guard
 from .layout import is_dtensor, state_dtype
@@ -193,6 +193,7 @@ class AccumulatingOptimizer:
                 hooks.register_hooks(self._hooks, self.param_groups[-1]["params"])
             if self.__dict__.get("_wired") is not None:
                 self._wired = self._wiring()
+            self._window.changed()  # (the fast paths' tables hold the parameters: built anew)
 
     def _add_group(self, param_group) -> None:
         super().add_param_group(param_group)
@@ -446,13 +447,12 @@ class AccumulatingOptimizer:
     def _wiring_stands(self) -> bool:
         """Whether every param group's ``"params"`` list, and every parameter in it, is the one
         the window was wired to: the one check of "the same parameters" (by identity, no Python
-        loop: ~0.1 ms at 5,000 parameters), run as each of the window's entry points is called
+        loop), run as each of the window's entry points is called
         and as each in_backward pass begins; every other cache of the parameters follows it."""
         lists, params = self._wired
         groups = self.param_groups
         return (len(lists) == len(groups) and all(map(operator.is_, lists, map(_PARAMS, groups)))
-                and sum(map(len, lists)) == len(params)
-                and all(map(operator.is_, itertools.chain.from_iterable(lists), params)))
+                and backends.same_objects(lists, params))
 
     def _rewire(self) -> None:
         """A param group's ``"params"`` list, or a parameter in it, replaced since the window was

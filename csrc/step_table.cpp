@@ -9,7 +9,7 @@
 // its buffer or none, whether the buffer is live in the open window) and asks, per micro-batch
 // that does not close the window, `check` whether the table can take it exactly as
 // Window.accumulate would; `take` then does. Anything the table does not know how to take --
-// the optimizer's parameter lists changed, a gradient on a parameter without a buffer, a
+// a gradient on a parameter without a buffer, a
 // gradient whose dtype, device, shape or layout does not fit its buffer, a sparse one, a
 // parameter whose dtype, device or shape changed, no gradient at all -- makes `check` answer
 // -1 or 0 and changes nothing: the micro-batch goes through Python (which raises, conforms or
@@ -27,7 +27,7 @@
 //                                          that are adopted gradients (let go of as windows end);
 //                                          may_adopt: each one's route (window.table.route: a
 //                                          first gradient may become its buffer)
-//     check(param_lists) -> n              gradients present; -1: not the table's to take
+//     check() -> n                         gradients present; -1: not the table's to take
 //     take(weight, grad_scale, clear, norm_weight_sum=None)
 //         -> (newly live indices, norms or None, indices given a buffer, those buffers, how many
 //             of them (the first) are adopted gradients)       (right after a check > 0)
@@ -56,7 +56,6 @@ namespace py = pybind11;
 using at::Tensor;
 
 struct StepTable {
-  std::vector<py::object> objects;  // the parameters as Python objects (identity checks)
   std::vector<Tensor> params;
   std::vector<Tensor> buffers;  // undefined: none yet
   // Each parameter as the table was built for it: one changed since is Window.conform's and
@@ -77,12 +76,10 @@ struct StepTable {
     const size_t n = param_objects.size();
     TORCH_CHECK(bufs.size() == n && live_now.size() == n && adopted_now.size() == n && adopt.size() == n,
                 "StepTable: lists differ in length");
-    objects.reserve(n);
     params.reserve(n);
     for (size_t i = 0; i < n; ++i) {
       py::object obj = param_objects[i];
       Tensor p = obj.cast<Tensor>();
-      objects.push_back(obj);
       index_of[p.unsafeGetTensorImpl()] = static_cast<int64_t>(i);
       built_for.emplace_back(p);
       params.push_back(std::move(p));
@@ -93,21 +90,6 @@ struct StepTable {
       adopted.push_back(adopted_now[i] && buffers.back().defined() ? 1 : 0);
       may_adopt.push_back(adopt[i] ? 1 : 0);
     }
-  }
-
-  // Whether `param_lists` (the optimizer's param groups' lists) hold exactly the table's
-  // parameters in order.
-  bool same_params(const py::list& param_lists) const {
-    size_t i = 0;
-    for (const py::handle& group : param_lists) {
-      PyObject* list = group.ptr();
-      if (!PyList_Check(list)) return false;
-      const Py_ssize_t m = PyList_GET_SIZE(list);
-      for (Py_ssize_t j = 0; j < m; ++j, ++i) {
-        if (i >= objects.size() || PyList_GET_ITEM(list, j) != objects[i].ptr()) return false;
-      }
-    }
-    return i == objects.size();
   }
 
   bool fits(size_t i, const Tensor& g) const {
@@ -165,10 +147,9 @@ struct StepTable {
 #endif
   }
 
-  int64_t check(const py::list& param_lists) {
+  int64_t check() {
     present.clear();
     grads.clear();
-    if (!same_params(param_lists)) return -1;
     for (size_t i = 0; i < params.size(); ++i) {
       const Tensor& g = params[i].grad();
       if (!g.defined()) continue;
@@ -353,14 +334,32 @@ struct StepTable {
   }
 };
 
+// Whether the lists in `lists` (the optimizer's param groups' "params") hold exactly `objects`,
+// in order, by identity: base.py's _wiring_stands, the one check of "the same parameters",
+// without a Python loop (~5 us at 5,000 parameters, ~80 us in Python).
+bool same_objects(const py::list& lists, const py::tuple& objects) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(objects.ptr());
+  Py_ssize_t i = 0;
+  for (const py::handle& group : lists) {
+    PyObject* list = group.ptr();
+    if (!PyList_Check(list)) return false;
+    const Py_ssize_t m = PyList_GET_SIZE(list);
+    for (Py_ssize_t j = 0; j < m; ++j, ++i) {
+      if (i >= n || PyList_GET_ITEM(list, j) != PyTuple_GET_ITEM(objects.ptr(), i)) return false;
+    }
+  }
+  return i == n;
+}
+
 }  // namespace
 
 void register_step_table(py::module& m) {
+  m.def("same_objects", &same_objects, py::arg("lists"), py::arg("objects"));
   py::class_<StepTable>(m, "StepTable")
       .def(py::init<const py::list&, const std::vector<std::optional<Tensor>>&, const std::vector<bool>&,
                     const std::vector<bool>&, const std::vector<bool>&>(),
            py::arg("params"), py::arg("buffers"), py::arg("live"), py::arg("adopted"), py::arg("may_adopt"))
-      .def("check", &StepTable::check, py::arg("param_lists"))
+      .def("check", &StepTable::check)
       .def("take", &StepTable::take, py::arg("weight"), py::arg("grad_scale"), py::arg("clear"),
            py::arg("norm_weight_sum") = py::none())
       .def("present_grads", &StepTable::present_grads)

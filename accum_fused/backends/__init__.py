@@ -8,6 +8,8 @@ never builds, loads or touches anything beyond PyTorch itself.
 from __future__ import annotations
 
 import importlib
+import itertools
+import operator
 import warnings
 from types import ModuleType
 
@@ -89,6 +91,16 @@ def extension() -> ModuleType | None:
     """The extension's backend (cpp_backend), where it loads: the fast paths' own calls
     (window.table's checks, the update's step counts) whatever the user's backend choice."""
     return _load("cpp")
+
+
+def same_objects(lists: list[list], objects: tuple) -> bool:
+    """Whether ``lists`` hold exactly ``objects``, in order, by identity (base.py's
+    _wiring_stands): in the extension where it loads, ~5 us at 5,000 parameters."""
+    cpp = extension()
+    if cpp is not None:
+        return cpp.same_objects(lists, objects)
+    return (sum(map(len, lists)) == len(objects)
+            and all(map(operator.is_, itertools.chain.from_iterable(lists), objects)))
 
 
 def extension_paths(name: str, *, table: bool = False) -> ModuleType | None:

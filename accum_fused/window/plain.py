@@ -92,7 +92,7 @@ def take_with_table(win, opt, weight: float, grad_scale: Tensor | None, found_in
     table = table_for(win, opt)
     if table is None:
         return False
-    present = table.cpp.check([group["params"] for group in opt.param_groups])
+    present = table.cpp.check()
     if present <= 0:  # (none: add_micro_batch warns; -1: something it must check, conform or raise)
         if present < 0:
             win.caches.step_table = None
