@@ -12,9 +12,9 @@ Must not: do window arithmetic, per-element math or per-class update math (the c
 """
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
-import itertools
 import operator
 import warnings
 import weakref
@@ -447,8 +447,8 @@ class AccumulatingOptimizer:
     def _wiring_stands(self) -> bool:
         """Whether every param group's ``"params"`` list, and every parameter in it, is the one
         the window was wired to: the one check of "the same parameters" (by identity, no Python
-        loop), run as each of the window's entry points is called
-        and as each in_backward pass begins; every other cache of the parameters follows it."""
+        loop), run as each of the window's entry points is called and as each in_backward pass
+        begins; every other cache of the parameters follows it (_rewire)."""
         lists, params = self._wired
         groups = self.param_groups
         return (len(lists) == len(groups) and all(map(operator.is_, lists, map(_PARAMS, groups)))

@@ -539,7 +539,7 @@ class Hooks:
         self.optimizer = weakref.ref(opt)
         self.window = window
         self._run_step_hooks = run_step_hooks
-        self.wiring_stands = wiring_stands
+        self._wiring_stands = wiring_stands
         self.fast_path = FastPath.for_optimizer(opt)
         self.handles: list = []
         self.unhooked: list[Tensor] = []
@@ -549,6 +549,10 @@ class Hooks:
     def run_step_hooks(self, post: bool) -> None:
         """torch's step pre- or post-hooks, around mode B's update inside backward."""
         self._run_step_hooks()(post=post)
+
+    def wiring_stands(self) -> bool:
+        """Whether the param groups still hold the parameters hooked (base.py's check)."""
+        return self._wiring_stands()()
 
 
 def install(opt, window, run_step_hooks: weakref.WeakMethod, wiring_stands: weakref.WeakMethod) -> Hooks:
@@ -884,7 +888,7 @@ def _join_pass(hooks: Hooks, p: Tensor) -> tuple[BackwardPass, bool] | None:
     if mb is None:
         if win.passes.owned and not win.passes.own:
             return None  # not a micro-batch of this optimizer (a GAN's other loss): .grad stays, as torch leaves it
-        if not hooks.wiring_stands()():
+        if not hooks.wiring_stands():
             _refuse_replaced(hooks, p)
         mb = begin_pass(hooks, p)
         mb.ender = _queue_end(hooks)

@@ -8,13 +8,13 @@
 // window.py stays the spec: it builds this table (every parameter of the optimizer in order,
 // its buffer or none, whether the buffer is live in the open window) and asks, per micro-batch
 // that does not close the window, `check` whether the table can take it exactly as
-// Window.accumulate would; `take` then does. Anything the table does not know how to take --
-// a gradient on a parameter without a buffer, a
-// gradient whose dtype, device, shape or layout does not fit its buffer, a sparse one, a
-// parameter whose dtype, device or shape changed, no gradient at all -- makes `check` answer
-// -1 or 0 and changes nothing: the micro-batch goes through Python (which raises, conforms or
-// warns as specified), and window.py keeps the table true afterwards (`mark_live`,
-// `reset_live`) or drops it.
+// Window.accumulate would; `take` then does. Anything the table does not know how to take -- a
+// gradient on a parameter without a buffer, a gradient whose dtype, device, shape or layout does
+// not fit its buffer, a sparse one, a parameter whose dtype, device or shape changed, no
+// gradient at all -- makes `check` answer -1 or 0 and changes nothing: the micro-batch goes
+// through Python (which raises, conforms or warns as specified), and window.py keeps the table
+// true afterwards (`mark_live`, `reset_live`) or drops it. (The optimizer's parameters are the
+// ones the table was built on: base.py's one check of that, _wiring_stands, makes it stale.)
 //
 // A window's first gradient of a parameter whose buffer the last window let go of (an adopted
 // one, below) or that never had one gets a buffer here: autograd's own gradient tensor where
@@ -78,8 +78,7 @@ struct StepTable {
                 "StepTable: lists differ in length");
     params.reserve(n);
     for (size_t i = 0; i < n; ++i) {
-      py::object obj = param_objects[i];
-      Tensor p = obj.cast<Tensor>();
+      Tensor p = param_objects[i].cast<Tensor>();
       index_of[p.unsafeGetTensorImpl()] = static_cast<int64_t>(i);
       built_for.emplace_back(p);
       params.push_back(std::move(p));

@@ -12,6 +12,7 @@ import accum_fused
 
 from _helpers import (
     OPTIMIZERS,
+    OUT_FEATURES,
     assert_params_changed,
     assert_params_close,
     assert_params_equal,
@@ -666,6 +667,42 @@ def test_parameter_replaced_in_its_list_between_windows_is_followed(backend, mod
     _micro_batches(opt, model, batches[k:], mode, k)
     _micro_batches(ref, twin, batches[k:], mode, k)
     assert_params_equal(model, twin)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_parameters_appended_to_and_removed_from_a_list_between_windows_are_followed(mode):
+    """A param group's list edited in place between windows, as code that skips
+    add_param_group does: a parameter appended trains from the next window on, one removed is
+    no longer updated (with in_backward its hook goes: autograd's .grad is its gradient again),
+    as a fresh optimizer built on the new list would."""
+    k = 3 if mode != "mode A" else 2
+    steps = dict(accumulation_steps=1 if mode == "mode A" else k)
+    model, extra = make_model(seed=0), nn.Linear(OUT_FEATURES, OUT_FEATURES)
+    opt = accum_fused.SGD(model.parameters(), lr=0.1, momentum=0.9, **steps, **MODES[mode])
+    batches = make_batches([2, 3, 1, 4, 2, 2, 3, 1, 2])
+    net = nn.Sequential(model, extra)
+    _micro_batches(opt, net, batches[:k], mode, k)
+    removed = model[0].bias
+    group = opt.param_groups[0]
+    group["params"].append(extra.weight)
+    del group["params"][next(i for i, p in enumerate(group["params"]) if p is removed)]
+    if mode == "mode A":  # (its loss.backward() gives no call before the pass)
+        opt.flush()
+    net.zero_grad()  # (extra's, which no optimizer cleared so far: deepcopy would not copy them)
+    twin = copy.deepcopy(net)
+    twin_params = {id(p): q for p, q in zip(net.parameters(), twin.parameters())}
+    ref = accum_fused.SGD([twin_params[id(p)] for p in group["params"]], lr=0.1, momentum=0.9, **steps,
+                          **MODES[mode])
+    for p in group["params"]:
+        if p in opt.state:
+            ref.state[twin_params[id(p)]] = copy.deepcopy(opt.state[p])
+    kept = removed.detach().clone()
+    _micro_batches(opt, net, batches[k:], mode, k)
+    _micro_batches(ref, twin, batches[k:], mode, k)
+    assert opt.update_count == ref.update_count + 1 >= 3 and torch.equal(removed.detach(), kept)
+    assert_params_equal(net, twin)
+    if MODES[mode]:
+        assert removed.grad is not None  # (autograd's again)
 
 
 @pytest.mark.parametrize("mode", ["mode A", "mode B"])
