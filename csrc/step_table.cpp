@@ -340,11 +340,13 @@ bool same_objects(const py::list& lists, const py::tuple& objects) {
   const Py_ssize_t n = PyTuple_GET_SIZE(objects.ptr());
   Py_ssize_t i = 0;
   for (const py::handle& group : lists) {
-    PyObject* list = group.ptr();
-    if (!PyList_Check(list)) return false;
-    const Py_ssize_t m = PyList_GET_SIZE(list);
+    // (a list, or a tuple a user put there: as is, no copy; another iterable is read into one)
+    const auto items = py::reinterpret_steal<py::object>(PySequence_Fast(group.ptr(), "a param group's params"));
+    if (!items) throw py::error_already_set();
+    const Py_ssize_t m = PySequence_Fast_GET_SIZE(items.ptr());
+    PyObject** item = PySequence_Fast_ITEMS(items.ptr());
     for (Py_ssize_t j = 0; j < m; ++j, ++i) {
-      if (i >= n || PyList_GET_ITEM(list, j) != PyTuple_GET_ITEM(objects.ptr(), i)) return false;
+      if (i >= n || item[j] != PyTuple_GET_ITEM(objects.ptr(), i)) return false;
     }
   }
   return i == n;

@@ -705,6 +705,28 @@ def test_parameters_appended_to_and_removed_from_a_list_between_windows_are_foll
         assert removed.grad is not None  # (autograd's again)
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_params_given_as_a_tuple_between_windows_train_as_the_list(mode):
+    """``group["params"] = tuple(...)`` (torch.optim steps with it): the same parameters, read
+    as a list would be; no window refused, the result bit for bit the unedited optimizer's."""
+    k = 3 if mode != "mode A" else 2
+    steps = dict(accumulation_steps=1 if mode == "mode A" else k)
+    model, twin = make_model(seed=0), make_model(seed=0)
+    opt = accum_fused.AdamW(model.parameters(), lr=0.05, **steps, **MODES[mode])
+    ref = accum_fused.AdamW(twin.parameters(), lr=0.05, **steps, **MODES[mode])
+    batches = make_batches([2, 3, 1, 4, 2, 2, 3, 1, 2])
+    _micro_batches(opt, model, batches[:k], mode, k)
+    _micro_batches(ref, twin, batches[:k], mode, k)
+    opt.param_groups[0]["params"] = tuple(opt.param_groups[0]["params"])
+    if mode == "mode A":
+        opt.flush()
+    for _ in range(3):  # (a window mid-way: each call finds the tuple's parameters the same)
+        _micro_batches(opt, model, batches[k:], mode, k)
+        _micro_batches(ref, twin, batches[k:], mode, k)
+    assert opt.update_count == ref.update_count
+    assert_params_equal(model, twin)
+
+
 @pytest.mark.parametrize("mode", ["mode A", "mode B"])
 def test_parameter_replaced_under_in_backward_hooks_is_refused_until_flush(mode):
     """in_backward with the user's own ``loss.backward()``: the new parameter has no hook, and

@@ -520,3 +520,24 @@ def test_buffers_loaded_mid_window_go_with_the_window_too():
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(p, q)
     assert opts[1]._window.caches.step_table is not None and opts[1].update_count == 4
+
+
+def test_same_objects_in_the_extension_agrees_with_python(monkeypatch):
+    """backends.same_objects (base.py's one check of "the same parameters"): the extension's
+    and the Python fallback's answers, on lists and tuples, replaced, appended, missing and
+    reordered parameters."""
+    from accum_fused import backends
+    if backends.extension() is None:
+        pytest.skip("the extension does not load here")
+    a, b, c = (nn.Parameter(torch.zeros(2)) for _ in range(3))
+    wired = (a, b, c)
+    cases = {
+        "same": ([[a, b], [c]], True), "tuple": ([(a, b), [c]], True), "empty group": ([[a, b, c], []], True),
+        "replaced": ([[a, b], [nn.Parameter(torch.zeros(2))]], False), "appended": ([[a, b], [c, a]], False),
+        "missing": ([[a, b], []], False), "reordered": ([[b, a], [c]], False), "no groups": ([], False),
+    }
+    for name, (lists, expected) in cases.items():
+        assert backends.same_objects(lists, wired) is expected, name
+    monkeypatch.setattr(backends, "extension", lambda: None)
+    for name, (lists, expected) in cases.items():
+        assert backends.same_objects(lists, wired) is expected, name
