@@ -16,6 +16,8 @@ import itertools
 import math
 import numbers
 import operator
+import os
+import sys
 import warnings
 import weakref
 from typing import Any, Callable
@@ -270,7 +272,8 @@ class AccumulatingOptimizer:
         if plain.take_with_table(win, self, weight, grad_scale, found_inf):  # (the common micro-batch, in one C++ call)
             return loss
         pairs = plain.collect_grads(self)
-        if not pairs and not self.in_backward and self.accumulation_steps > 1:  # (k=1: a no-op, as torch's)
+        # (k=1: a no-op, as torch's; FSDP2 holds gradients back under set_requires_gradient_sync(False))
+        if not pairs and not self.in_backward and self.accumulation_steps > 1 and win.shards is None:
             self._warn_no_gradient(weight)
         plain.add_micro_batch(win, self, pairs, weight, grad_scale, found_inf)
         if self.accumulation_steps > 1:
@@ -291,7 +294,7 @@ class AccumulatingOptimizer:
             f"called twice?): it counted as a micro-batch of weight {weight:g} with zero gradients, which dilutes "
             "the window's average (torch.optim's step() would do nothing). Call step() once per backward; to drop "
             "a micro-batch, skip both. (Warned once per optimizer.)",
-            stacklevel=4,
+            stacklevel=_caller_outside_torch(),
         )
 
     @torch._disable_dynamo
@@ -521,6 +524,17 @@ class AccumulatingOptimizer:
         restore_defaults(self.__dict__)
 
 
+def _caller_outside_torch() -> int:
+    """warnings.warn's stacklevel (from the function calling this one) of the first frame in
+    neither accum_fused nor torch: the user's line, through however many wrappers torch puts
+    around step() (its profiling hook, dynamo's disable, no_grad: they differ between versions)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
 _PARAMS = operator.itemgetter("params")  # (a param group's list: _wiring_stands, no Python loop)
 
 

@@ -7,10 +7,14 @@ A GPT-style model (bench_memory's GPT: embeddings, pre-LN blocks, LM head tied t
 with fully_shard per block and at the root (fp32 parameters; --bf16 adds
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)). A window is k micro-batches of
 uneven sizes, different on every rank (1..4 sequences of --seq tokens), weighted by tokens;
-AdamW lr 1e-3, weight decay 0.01, clip 1.0. Meshes: 1-D (default); HSDP (--replicas R: R
-replicas of ranks / R shards); tensor parallel + FSDP2 (--tp N: a (dp, "tp") mesh of ranks / N
-x N, each block's MLP fc column-wise and fc_proj row-wise parallel on "tp", fully_shard over
-"dp"; a "tp" group's ranks read the same micro-batches, chosen by the dp coordinate). Patterns:
+AdamW lr 1e-3, weight decay 0.01, clip 1.0. Meshes: 1-D (default); FSDP2's replicate()
+(--replicate: replicate_with_fsdp.replicate instead of fully_shard on a 1-D mesh of all ranks,
+whole parameters on every rank, gradients all-reduced); HSDP (--replicas R: R replicas of
+ranks / R shards); tensor parallel + FSDP2 (--tp N: a (dp, "tp") mesh of ranks / N x N, each
+block's MLP fc column-wise and fc_proj row-wise parallel on "tp", fully_shard over "dp"; a "tp"
+group's ranks read the same micro-batches, chosen by the data-parallel coordinate); both
+(--replicas R --tp N: a 3-D (replicate R, shard ranks / (R N), "tp" N) mesh, fully_shard over
+("replicate", "shard")). Patterns:
 
   native  torch.optim.AdamW (foreach on CPU, fused on CUDA); set_requires_gradient_sync(j == k-1);
           (loss * tokens_j * R / window tokens of all ranks).backward() (FSDP2 averages over R);
@@ -50,6 +54,8 @@ Usage (from the repository root):
   python benchmarks/bench_fsdp.py --device cuda --ranks 1 --layers 2 --windows 3
   python benchmarks/bench_fsdp.py --ranks 4 --replicas 2 --windows 3   # HSDP, 2 x 2
   python benchmarks/bench_fsdp.py --ranks 4 --tp 2 --windows 3         # tensor parallel 2 x FSDP2 over 2
+  python benchmarks/bench_fsdp.py --ranks 2 --replicate --windows 3    # FSDP2's replicate(): all-reduced gradients
+  python benchmarks/bench_fsdp.py --ranks 8 --replicas 2 --tp 2 --windows 2   # HSDP x tensor parallel, 3-D mesh
   torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py     # ranks started by torchrun
 """
 from __future__ import annotations
@@ -305,13 +311,22 @@ def run_rank(rank: int, world: int, args, port: int | None, pattern: str, result
     n_params = sum(p.numel() for p in model.parameters())
     root_params = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("blocks."))
     data_ranks, data_rank = world, rank  # data-parallel ranks, each with micro-batches of its own
-    if args.tp > 1:  # tensor parallel on "tp" (each block's MLP), FSDP2 over "dp"
+    shard = fully_shard
+    if args.tp > 1:  # tensor parallel on "tp" (each block's MLP), FSDP2 over "dp" (or HSDP's two dimensions)
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        tp_mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        dp = ("replicate", "shard") if args.replicas > 1 else ("dp",)
+        shape = (args.replicas, world // args.replicas // args.tp) if args.replicas > 1 else (world // args.tp,)
+        tp_mesh = init_device_mesh(device.type, (*shape, args.tp), mesh_dim_names=(*dp, "tp"))
         for block in model.blocks:
             parallelize_module(block, tp_mesh["tp"], {"fc": ColwiseParallel(), "fc_proj": RowwiseParallel()})
-        mesh = tp_mesh["dp"]
-        data_ranks, data_rank = mesh.size(), mesh.get_local_rank()  # a "tp" group shares its micro-batches
+        mesh = tp_mesh[dp]
+        # a "tp" group shares its micro-batches, chosen by its data-parallel coordinate (row-major over dp)
+        data_ranks, data_rank = mesh.size(), 0
+        for name in dp:
+            data_rank = data_rank * tp_mesh.size(tp_mesh.mesh_dim_names.index(name)) + tp_mesh.get_local_rank(name)
+    elif args.replicate:  # FSDP2's replicate(): whole parameters everywhere, gradients all-reduced
+        from torch.distributed._composable.replicate_with_fsdp import replicate as shard
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("replicate",))
     elif args.replicas > 1:  # HSDP: reduce-scatter within a replica, all-reduce across replicas
         mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas),
                                 mesh_dim_names=("replicate", "shard"))
@@ -322,8 +337,8 @@ def run_rank(rank: int, world: int, args, port: int | None, pattern: str, result
     mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16
                  else MixedPrecisionPolicy())
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        shard(block, mesh=mesh, mp_policy=mp_policy)
+    shard(model, mesh=mesh, mp_policy=mp_policy)
     params = list(model.parameters())
     if pattern == "native":
         opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **({"fused": True} if cuda else {"foreach": True}))
@@ -411,7 +426,8 @@ def run_rank(rank: int, world: int, args, port: int | None, pattern: str, result
                                    "dispatch_ops": dispatch_ops})
     if rank == 0 and result_path is not None:
         Path(result_path).write_text(json.dumps({
-            "pattern": pattern, "ranks": world, "replicas": args.replicas, "tp": args.tp, "params": n_params,
+            "pattern": pattern, "ranks": world, "replicas": args.replicas, "tp": args.tp,
+            "replicate": args.replicate, "params": n_params,
             "root_params": root_params, "local_params": local_params,
             "window_tokens": window_tokens, "ms_per_window": statistics.median(times) * 1e3,
             "all_ms": [t * 1e3 for t in times], "per_rank": peaks,
@@ -459,23 +475,42 @@ def expected_bytes(rec: dict, args, world: int) -> dict[str, float]:
     values get one more (the weight total of every rank, for the "tp" check) and are all-reduced
     once per mesh dimension (twice); tensor parallel itself all-reduces each block's activations
     (b, seq, d) twice per micro-batch: fc_proj's output in forward, fc's input gradient in
-    backward (activation dtype: param_dtype). Padding of shards to a multiple of S is not
-    modelled. One rank: FSDP2 and DTensor skip their collectives (accum_fused's all-reduce runs)."""
+    backward (activation dtype: param_dtype). HSDP x tensor parallel (--replicas R --tp N, the
+    3-D mesh): both at once: FSDP2's collectives over "shard" (S = world / (R N)) on P_local, each
+    reduce's fp32 shard (P_local / S) all-reduced across the replicas, accum_fused's 4 + 3k values
+    all-reduced once per mesh dimension (three times), tensor parallel's activations as above
+    (measured to the byte, results/fsdp_hsdp_tp_cpu_20261129.txt: a and c 27 dist.all_reduce =
+    3 units x k + accum_fused's 3; native's clip adds 3 funcol all-reduces, 144 B, not modelled).
+    replicate() (--replicate): FSDP2 with a DDP mesh (DDPMeshInfo): no all-gather (every rank
+    holds whole parameters) and no reduce-scatter (foreach_reduce skips it for a group of one and
+    copies the gradient), one all-reduce of the whole fp32 gradient (P x 4 bytes) per reduce (k for
+    a and c, 1 for native and b), plus accum_fused's values once (a 1-D mesh); native's
+    clip_grad_norm_ on Replicate() gradients is computed locally (no collective), so its bytes are
+    modelled too. Measured to the byte (results/fsdp_replicate_cpu_20261129.txt: only
+    dist.all_reduce, one per FSDP2 unit (5) and reduce, plus accum_fused's one: a and c 41 calls,
+    b 6, native 5). Padding of shards to a multiple of S is not modelled. One rank: FSDP2 and
+    DTensor skip their collectives (accum_fused's all-reduce runs; replicate()'s gradient
+    all-reduce is still called)."""
     P, root, k = rec["params"], rec["root_params"], args.k
-    replicas, tp = rec.get("replicas", 1), rec.get("tp", 1)
-    shards = world // replicas // tp
+    replicas, tp, replicate = rec.get("replicas", 1), rec.get("tp", 1), rec.get("replicate", False)
+    shards = 1 if replicate else world // replicas // tp
     p_bytes = 2 if args.bf16 else 4
     reduces = k if rec["pattern"] in ("a", "c") else 1
     sharded = 1 if shards > 1 else 0
-    across_replicas = reduces * P / shards * 4 if replicas > 1 else 0
-    mesh_dims = 2 if replicas > 1 or tp > 1 else 1
-    ours = 8 * (3 + 3 * k + (1 if tp > 1 else 0)) * mesh_dims
     P_local = rec.get("local_params", P)
+    # FSDP2's all-reduce of the fp32 gradient (shard) per reduce: across HSDP's replicas, or replicate()'s ranks
+    grad_all_reduce = reduces * P_local / shards * 4 if replicas > 1 or replicate else 0
+    mesh_dims = (2 if replicas > 1 else 1) + (1 if tp > 1 else 0)
+    ours = 8 * (3 + 3 * k + (1 if tp > 1 else 0)) * mesh_dims
     # rank 0 (whose bytes are counted) reads data-parallel rank 0's micro-batches
     tp_activations = (2 * args.layers * sum(micro_batch_sizes(0, k)) * args.seq * args.d_model * p_bytes
                       if tp > 1 else 0)
+    if rec["pattern"] != "native":
+        all_reduce = ours + grad_all_reduce + tp_activations
+    else:  # clip_grad_norm_'s all-reduce is not modelled, but replicate()'s norm needs none
+        all_reduce = grad_all_reduce if replicate else float("nan")
     return {"reduce_scatter": sharded * reduces * P_local * 4, "all_gather": sharded * k * (2 * P_local - root) * p_bytes,
-            "all_reduce": ours + across_replicas + tp_activations if rec["pattern"] != "native" else float("nan"),
+            "all_reduce": all_reduce, "all_reduce_grads": grad_all_reduce,
             "all_reduce_tp_activations": tp_activations, "all_reduce_accum_fused": ours}
 
 
@@ -486,7 +521,10 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=1,
                         help="HSDP: a 2-D mesh of this many replicas, each sharding over ranks / replicas")
     parser.add_argument("--tp", type=int, default=1,
-                        help='tensor parallel + FSDP2: a (dp, "tp") mesh with this many ranks per "tp" group')
+                        help='tensor parallel + FSDP2: a (dp, "tp") mesh with this many ranks per "tp" group; '
+                             'with --replicas R a 3-D (replicate, shard, "tp") mesh')
+    parser.add_argument("--replicate", action="store_true",
+                        help="FSDP2's replicate() (replicate_with_fsdp) instead of fully_shard, on a 1-D mesh of all ranks")
     parser.add_argument("--patterns", default=",".join(PATTERNS))
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--ctx", type=int, default=64)
@@ -503,11 +541,11 @@ def main() -> int:
     patterns = [p for p in args.patterns.split(",") if p]
     if set(patterns) - set(PATTERNS):
         parser.error(f"--patterns: choose from {','.join(PATTERNS)}")
-    if args.tp > 1 and args.replicas > 1:
-        parser.error("--tp and --replicas > 1 do not combine (HSDP + tensor parallel is a 3-D mesh)")
+    if args.replicate and (args.tp > 1 or args.replicas > 1):
+        parser.error("--replicate takes a 1-D mesh of all ranks: not with --tp or --replicas")
     ranks = int(os.environ.get("WORLD_SIZE", args.ranks))
-    if args.tp < 1 or ranks % args.tp:
-        parser.error(f"--tp {args.tp} must divide the number of ranks ({ranks})")
+    if args.tp < 1 or args.replicas < 1 or ranks % (args.tp * args.replicas):
+        parser.error(f"--replicas {args.replicas} x --tp {args.tp} must divide the number of ranks ({ranks})")
     if args.json is None:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         args.json = str(HERE / "results" / f"fsdp_{args.device}_{stamp}.json")
@@ -554,9 +592,12 @@ def main() -> int:
         })
 
     P = records[0]["params"]
-    layout = (f" (HSDP: {args.replicas} replicas of {world // args.replicas} shards)" if args.replicas > 1 else
-              f" (tensor parallel {args.tp} x FSDP2 over {world // args.tp}: dp x \"tp\"; "
-              f"{records[0]['local_params'] / 1e6:.2f}M params per tp rank before sharding)" if args.tp > 1 else "")
+    tp_params = f"{records[0]['local_params'] / 1e6:.2f}M params per tp rank before sharding"
+    layout = (f" (HSDP x tensor parallel: {args.replicas} replicas of {world // args.replicas // args.tp} shards x "
+              f"\"tp\" {args.tp}, a 3-D mesh; {tp_params})" if args.replicas > 1 and args.tp > 1 else
+              f" (HSDP: {args.replicas} replicas of {world // args.replicas} shards)" if args.replicas > 1 else
+              f" (tensor parallel {args.tp} x FSDP2 over {world // args.tp}: dp x \"tp\"; {tp_params})" if args.tp > 1 else
+              " (FSDP2's replicate(): whole parameters on every rank, gradients all-reduced)" if args.replicate else "")
     print(f"{world} rank(s){layout}, {records[0]['dist_backend']} on {records[0]['device']}; GPT {P / 1e6:.2f}M params "
           f"(root unit {records[0]['root_params'] / 1e6:.2f}M), k={args.k}, {args.seq}-token sequences, 1-4 per "
           f"micro-batch, {records[0]['window_tokens']} tokens per window (all ranks), "
@@ -580,10 +621,16 @@ def main() -> int:
     for row in rows:
         print(f"{row['pattern']}: calls {row['functions_rank0']}; bytes {row['function_bytes_rank0']}; "
               f"dispatcher c10d ops {row['dispatch_collective_ops_rank0']}")
-    if args.tp > 1:
+    if args.tp > 1 or args.replicas > 1 or args.replicate:
         m = rows[0]["expected_bytes"]
-        print(f"all-reduce model (tp): accum_fused's agreement {m['all_reduce_accum_fused']:.0f} B (dist.all_reduce), "
-              f"tensor parallel's activations {m['all_reduce_tp_activations']:.0f} B (funcol.all_reduce)")
+        grads = ("replicate()'s" if args.replicate else "HSDP's across replicas") if args.replicate or args.replicas > 1 else None
+        print("all-reduce model: accum_fused's agreement "
+              f"{m['all_reduce_accum_fused']:.0f} B (dist.all_reduce)"
+              + (f"; FSDP2's gradient all-reduce ({grads}) "
+                 + ", ".join(f"{r['pattern']} {r['expected_bytes']['all_reduce_grads']:.0f} B" for r in rows)
+                 + " (dist.all_reduce)" if grads else "")
+              + (f"; tensor parallel's activations {m['all_reduce_tp_activations']:.0f} B (funcol.all_reduce)"
+                 if args.tp > 1 else ""))
     record = {
         "benchmark": "bench_fsdp", "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(sys.argv), "args": vars(args), "ranks": world, "params": P,

@@ -285,6 +285,7 @@ def test_a_window_without_gradients_is_not_an_update(backend, name):
         for _ in range(2):
             opt.step()  # no backward: every grad is None
     assert len(record) == 1  # once per optimizer
+    assert record[0].filename == __file__  # (the user's line, not a torch wrapper's)
     assert opt.updated is False and opt.update_count == 0 and opt.micro_step == 0
     opt.step()
     assert opt.flush() is False and opt.update_count == 0
