@@ -203,8 +203,10 @@ class Accelerator(accelerate.Accelerator):
                 raise NotImplementedError(
                     f"accum_fused's accelerate recipe supports one process and DDP (accelerate launch with "
                     f"several processes); not distributed_type={self.distributed_type}: DeepSpeed and Megatron "
-                    "own the optimizer step, XLA is untested, and accelerate's FSDP plugin is not supported yet "
-                    "(for FSDP2 call torch's fully_shard yourself: accum_fused supports it without accelerate)"
+                    "own the optimizer step, XLA is untested, and accelerate runs its FSDP plugin on GPUs only, where "
+                    "it has not run with accum_fused (the optimizer's side of its prepare, the parameters swapped for "
+                    "their shards, is tested); for FSDP2 call torch's fully_shard yourself: accum_fused supports it "
+                    "without accelerate"
                 )
             _check_single_accumulation(self.gradient_accumulation_steps, inner)
         prepared = super().prepare_optimizer(optimizer, device_placement=device_placement)

@@ -105,7 +105,8 @@ class AccumFusedCallback(transformers.TrainerCallback):
                 f"{type(opt).__name__} under the HF Trainer with {'DeepSpeed' if args.deepspeed else 'FSDP'}: "
                 "accum_fused supports the Trainer on one process and under DDP (torchrun / accelerate launch "
                 "without DeepSpeed or FSDP; the optimizer then reduces the window itself once per update). "
-                "DeepSpeed owns the optimizer step; for FSDP2 call torch's fully_shard in your own loop"
+                "DeepSpeed owns the optimizer step; the Trainer's FSDP is accelerate's plugin, which runs on GPUs "
+                "only, where it has not run with accum_fused: for FSDP2 call torch's fully_shard in your own loop"
             )
         if opt.accumulation_steps > 1:
             raise ValueError(
