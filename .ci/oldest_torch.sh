@@ -21,7 +21,8 @@ mkdir -p "$work/src"
 (cd "$checkout" && git ls-files -z | xargs -0 -I{} cp --parents {} "$work/src")
 "$python_bin" -m venv "$work/venv"
 # pip's configuration is ignored: a machine's cap on the torch it installs must not pick another.
-export PIP_CONFIG_FILE=/dev/null
+# No cache: the CUDA build's wheels (~3 GB) would stay on the disk beside the venv they fill.
+export PIP_CONFIG_FILE=/dev/null PIP_NO_CACHE_DIR=1
 "$work/venv/bin/pip" install -q "torch==$version" numpy setuptools wheel ninja
 (cd "$work/src" && ACCUM_FUSED_NO_CUDA=1 "$work/venv/bin/pip" install -q --no-build-isolation -e . &&
   "$work/venv/bin/pip" install -q "pytest>=7" "pytest-xdist>=3.5" expecttest)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import warnings
 
 import torch
@@ -326,7 +325,7 @@ def checkpoint_mid_window(case, rank, backend, data):
         expect_error(RuntimeError, "window boundary", lambda: get_state_dict(model, opt))
         return
     model_sd, optim_sd = get_state_dict(model, opt)
-    path = os.path.join(tempfile.gettempdir(), f"accum_fused_dcp_{os.environ['DCP_RUN']}_{case}_{backend}")
+    path = os.path.join(os.environ["DCP_DIR"], f"dcp_{case}_{backend}")  # (the test's tmp_path: removed with it)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
     model, opt = build(name, backend, in_backward="c" in pattern)
@@ -503,7 +502,7 @@ def set_up_mesh(rank: int, world_size: int, layout: str | None) -> tuple[dict, l
 
 def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    os.environ["DCP_RUN"] = str(port)  # checkpoint directories of concurrent runs do not collide
+    os.environ["DCP_DIR"] = out_dir  # checkpoints live in the run's own directory, shared by its ranks
     scenarios, backends, data_rank = set_up_mesh(rank, world_size, os.environ.get("FSDP_MESH"))
     data = make_data()[:RANKS]
     run_worker_cases(scenarios, rank, out_dir, lambda run, name, backend: run(name, data_rank, backend, data), backends)
