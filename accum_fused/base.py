@@ -16,8 +16,6 @@ import itertools
 import math
 import numbers
 import operator
-import os
-import sys
 import warnings
 import weakref
 from typing import Any, Callable
@@ -294,7 +292,7 @@ class AccumulatingOptimizer:
             f"called twice?): it counted as a micro-batch of weight {weight:g} with zero gradients, which dilutes "
             "the window's average (torch.optim's step() would do nothing). Call step() once per backward; to drop "
             "a micro-batch, skip both. (Warned once per optimizer.)",
-            stacklevel=_caller_outside_torch(),
+            stacklevel=guard.user_stacklevel(),
         )
 
     @torch._disable_dynamo
@@ -524,17 +522,6 @@ class AccumulatingOptimizer:
         restore_defaults(self.__dict__)
 
 
-def _caller_outside_torch() -> int:
-    """warnings.warn's stacklevel (from the function calling this one) of the first frame in
-    neither accum_fused nor torch: the user's line, through however many wrappers torch puts
-    around step() (its profiling hook, dynamo's disable, no_grad: they differ between versions)."""
-    frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
 _PARAMS = operator.itemgetter("params")  # (a param group's list: _wiring_stands, no Python loop)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .framework_guard import user_stacklevel
 from .layout import ELEMENTWISE_STATE, is_dtensor, state_dtype
 
 
@@ -70,7 +71,7 @@ class Unclaimed:
         warnings.warn(
             f"the checkpoint loaded into this {type(opt).__name__} holds {self.key!r} (its open window's statistics), "
             f"which nothing claimed before that window ended: they were dropped. Call {LISTENER_ENTRIES[self.key]} "
-            "before the window ends, before or after opt.load_state_dict()", RuntimeWarning, stacklevel=2)
+            "before the window ends, before or after opt.load_state_dict()", RuntimeWarning, stacklevel=user_stacklevel())
 
 
 def _keep_unclaimed(win, entries: dict[str, Any]) -> None:

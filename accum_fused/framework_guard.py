@@ -18,7 +18,10 @@ optimizer, a few frames up.
 """
 from __future__ import annotations
 
+import os
 import sys
+
+import torch
 
 _FRAMES = 12  # step()'s decorators <- GradScaler.step <- AcceleratedOptimizer.step <- the Trainer's loop
 
@@ -85,3 +88,18 @@ def _accelerate_error(opt, how: str) -> RuntimeError:
         "prepared scheduler on every micro-batch and drops the partial last window. Use "
         "accum_fused.integrations.accelerate.Accelerator (a subclass of accelerate's) in its place"
     )
+
+
+def user_stacklevel() -> int:
+    """warnings.warn's stacklevel (from the function calling this one) of the first frame in
+    neither accum_fused nor torch: the user's line, through however many wrappers torch puts
+    around step() (its profiling hook, dynamo's disable, no_grad: they differ between versions)
+    and however a warning's code is reached (an entry point, or a hook inside the user's
+    ``loss.backward()``)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)

@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .framework_guard import user_stacklevel
 from .layout import adoptable, kernel_view, readable_grad
 
 
@@ -633,7 +634,7 @@ def rehook_dropped(hooks: Hooks, take: bool) -> None:
             f"the hook that takes its gradients ({len(dropped)} parameter(s) so far): hooked again, its gradient "
             "taken from .grad. To remove hooks of your own, use the handle that register_post_accumulate_grad_hook "
             "returned. (Warned once per optimizer.)",
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
     register_hooks(hooks, dropped)
     if take:
@@ -832,7 +833,7 @@ def settle_failed_pass(hooks: Hooks) -> None:
         warnings.warn(
             f"{type(opt).__name__}(in_backward=True): a backward pass failed {how}, which cannot be taken back "
             f"out; the window was discarded with the {lost} micro-batch(es) it held before, and the next "
-            "micro-batch starts a new window", RuntimeWarning, stacklevel=3)
+            "micro-batch starts a new window", RuntimeWarning, stacklevel=user_stacklevel())
         return
     win.changed()  # (not what the extension's rows hold: built anew)
     for p in mb.started:

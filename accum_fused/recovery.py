@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from .framework_guard import user_stacklevel
 from .window import tell_transaction
 
 log = logging.getLogger("accum_fused")
@@ -472,4 +473,4 @@ def _give_up(opt, win, parts_in: int) -> None:
         warnings.warn(
             f"{type(opt).__name__}.run() (in_backward): a micro-batch failed after its gradients began to enter the "
             f"window, which cannot take them back out; the window was discarded with the {lost} micro-batch(es) it "
-            "held before, and the next micro-batch starts a new window", RuntimeWarning, stacklevel=4)
+            "held before, and the next micro-batch starts a new window", RuntimeWarning, stacklevel=user_stacklevel())

@@ -386,6 +386,28 @@ def test_mode_b_failed_last_micro_batch_discards_its_window_and_goes_on(backend)
     assert opt.update_count == 2
 
 
+@pytest.mark.parametrize("settled_by", ["opt.backward", "loss.backward", "flush"])
+def test_the_discarded_window_warning_points_at_the_users_line(backend, settled_by):
+    """Mode B's "window was discarded" warning names the user's line however the failed pass is
+    settled: in opt.backward's own handler, in a hook inside the user's next loss.backward()
+    (torch's autograd frames between), or at an entry point (flush()). A fixed stacklevel named
+    another frame than the user's on two of the three."""
+    model = _model_failing_midway()
+    opt = accum_fused.SGD(model.parameters(), lr=0.1, accumulation_steps=3, in_backward=True, backend=backend)
+    batches = make_batches(SIZES)
+    own = settled_by != "opt.backward"
+    opt.backward(loss_of(model, batches[0])) if not own else loss_of(model, batches[0]).backward()
+    _FailOnce.armed = True  # (the second micro-batch: its head's gradients are added to the window's)
+    with pytest.warns(RuntimeWarning, match="window was discarded") as record:
+        with pytest.raises(RuntimeError, match="simulated"):
+            opt.backward(loss_of(model, batches[1])) if not own else loss_of(model, batches[1]).backward()
+        if settled_by == "loss.backward":  # (found by the next pass's first hook)
+            loss_of(model, batches[2]).backward()
+        elif settled_by == "flush":
+            opt.flush()
+    assert [w.filename for w in record] == [__file__], [(w.filename, w.lineno) for w in record]
+
+
 # ------------------------------------------------------------ 6. a foreign backward pass
 def _gan_step(d_step, g_opt, D, G, real, z):
     """One iteration of the standard GAN loop: D's micro-batch, then G's step through D (D not

@@ -698,5 +698,6 @@ def test_hooks_dropped_by_replacing_the_dict_are_hooked_again(monkeypatch, pytho
         disturbed = run(True)
     dropped = [w for w in caught if "post-accumulate-grad hooks of" in str(w.message)]
     assert len(dropped) == (replacement != "none"), [str(w.message) for w in caught]
+    assert all(w.filename == __file__ for w in dropped)  # (the user's line: an entry point's, or a hook's under backward)
     for a, b in zip(disturbed, undisturbed):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)

@@ -725,8 +725,9 @@ def test_statistics_nothing_claims_are_saved_again_then_dropped_with_a_warning()
     assert resaved[STATE_KEY]["0"]["calls"][0]["count"] == saved[STATE_KEY]["0"]["calls"][0]["count"]
     again = accum_fused.SGD(make_model().parameters(), lr=0.1, accumulation_steps=K)
     again.load_state_dict(resaved)
-    with pytest.warns(RuntimeWarning, match=r"'window_batchnorm'.*dropped.*window_batchnorm\(model, opt\)"):
+    with pytest.warns(RuntimeWarning, match=r"'window_batchnorm'.*dropped.*window_batchnorm\(model, opt\)") as record:
         assert again.flush()
+    assert [w.filename for w in record] == [__file__]  # (the user's line, not the window's close)
     assert not handles(again) and STATE_KEY not in again.state_dict()
     # A checkpoint of the wrong model is refused when the handle would claim it, and keeps waiting.
     fresh.load_state_dict(saved)

@@ -224,8 +224,9 @@ def test_a_failed_closing_pass_updates_no_parameter(backend):
             opt.run(data[K - 1], _loss_fn(model))
     assert opt.micro_step == K - 1  # nothing was added: the window is as it was
     model.where = "mid"
-    with pytest.warns(RuntimeWarning, match="window was discarded"), pytest.raises(Boom):
+    with pytest.warns(RuntimeWarning, match="window was discarded") as record, pytest.raises(Boom):
         opt.run(data[K - 1], _loss_fn(model))
+    assert [w.filename for w in record] == [__file__]  # (the user's run() line)
     _assert_close(_params(model), before, exact=True)
     assert opt.update_count == 0 and opt.micro_step == 0
 
