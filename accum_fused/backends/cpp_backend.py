@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..layout import KERNEL_DTYPES
-from ._kernel_args import device_scalar, host_value
+from ._kernel_args import adam_scalars, device_scalar, host_value, sgd_scalars
 from .reference import BF16_UPDATES
 from .reference import write_window_grads  # noqa: F401  (torch's foreach ops on every backend)
 
@@ -164,13 +164,6 @@ def _rounding(layout: _Layout, bf16_update: str, rounding_keys, compensations) -
                 compensations=layout.read_write(compensations) if bf16_update == "kahan" else [])
 
 
-def sgd_scalars(*, lr, momentum, dampening, weight_decay, nesterov, maximize) -> dict:
-    """The scalar arguments of ``_C.sgd_update`` (also what in_backward's extension hooks fold
-    a parameter's update with)."""
-    return dict(neg_lr=-host_value(lr), momentum=float(momentum), one_minus_dampening=1 - dampening,
-                weight_decay=float(weight_decay), nesterov=bool(nesterov), maximize=bool(maximize))
-
-
 def adam_update(
     *,
     params: list[Tensor],
@@ -212,17 +205,3 @@ def adam_update(
         grad_scale=device_scalar(grad_scale, device), **_rounding(layout, bf16_update, rounding_keys, compensations),
     )
     layout.finish()
-
-
-def adam_scalars(*, step, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay) -> dict:
-    """The scalar arguments of ``_C.adam_update`` after ``step`` steps (also what in_backward's
-    extension hooks fold a parameter's update with): the reference's expressions, evaluated with
-    the reference's types (see module docstring)."""
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    step_size = lr / bias_correction1
-    decay_factor = 1 - lr * weight_decay if decoupled_weight_decay and weight_decay != 0 else 1.0
-    return dict(decay_factor=host_value(decay_factor), weight_decay=float(weight_decay), lerp_weight=1 - beta1,
-                beta2=float(beta2), one_minus_beta2=1 - beta2, bc2_sqrt=bias_correction2**0.5, eps=float(eps),
-                neg_step_size=-host_value(step_size), decoupled=bool(decoupled_weight_decay), amsgrad=bool(amsgrad),
-                maximize=bool(maximize))

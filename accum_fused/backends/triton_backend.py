@@ -44,7 +44,7 @@ from torch import Tensor
 from torch.autograd.graph import increment_version  # the kernels write through pointers autograd does not see
 
 from ..layout import KERNEL_DTYPES
-from ._kernel_args import device_scalar, host_value
+from ._kernel_args import adam_scalars, device_scalar, sgd_scalars
 from .reference import BF16_UPDATES
 from .reference import write_window_grads  # noqa: F401  (torch's foreach ops on every backend)
 
@@ -80,6 +80,11 @@ name = "triton"
 INTERPRETED = not isinstance(K.adam_kernel, triton.runtime.JITFunction)
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# The kernels' run-time scalars after (weight, weight_sum), in their order, from _kernel_args's
+# sgd_scalars / adam_scalars (the cpp backend's too); each a float, so a kernel is compiled once.
+_SGD_KERNEL_SCALARS = ("neg_lr", "momentum", "one_minus_dampening", "weight_decay")
+_ADAM_KERNEL_SCALARS = ("decay_factor", "weight_decay", "lerp_weight", "beta2", "one_minus_beta2", "bc2_sqrt", "eps",
+                        "neg_step_size")
 
 _cuda_ok: dict[int, bool] = {}
 
@@ -463,9 +468,11 @@ def sgd_update(
     plan = _plan(device, [buffers, params_k, moms, comps], flags)
     staged, grad_ptrs, aligned, scale, clip = _update_inputs(device, layout, grads, grad_scale, clip_coef, plan)
     if plan.n_chunks:
-        _launch(K.sgd_kernel, plan.n_chunks, plan.chunks, plan.meta, grad_ptrs, keys,
-                scale, clip, float(weight), float(weight_sum), -host_value(lr), float(momentum), float(1 - dampening),
-                float(weight_decay), ROUNDING=rounding,
+        s = sgd_scalars(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+                        maximize=maximize)
+        _launch(K.sgd_kernel, plan.n_chunks, plan.chunks, plan.meta, grad_ptrs, keys, scale, clip, float(weight),
+                float(weight_sum), *map(float, (s[name] for name in _SGD_KERNEL_SCALARS)),
+                ROUNDING=rounding,
                 P_DTYPE=_TL_DTYPES[params[0].dtype],
                 G_DTYPE=_TL_DTYPES[grads[0].dtype] if grads is not None else tl.float32,
                 FUSE=grads is not None, OVERWRITE=bool(overwrite) and grads is not None,
@@ -524,26 +531,20 @@ def adam_update(
         _check(device, grads[0].dtype, "gradients")
     layout = _Layout(buffers)
     rounding, comps, keys = _rounding(device, layout, params, bf16_update, rounding_keys, compensations)
-    # The reference's expressions, evaluated with the reference's types (a tensor lr gives fp32
-    # tensor arithmetic), then read as numbers: the kernel rounds each to fp32 once.
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2**0.5
-    has_wd = weight_decay != 0
-    decay_factor = 1 - lr * weight_decay if decoupled_weight_decay and has_wd else 1.0
     maxes = layout.read_write(max_exp_avg_sqs) if amsgrad else [None] * len(params)
     plan = _plan(device, [buffers, layout.read_write(params), layout.read_write(exp_avgs),
                           layout.read_write(exp_avg_sqs), maxes, comps])
     staged, grad_ptrs, aligned, scale, clip = _update_inputs(device, layout, grads, grad_scale, clip_coef, plan)
     if plan.n_chunks:
-        _launch(K.adam_kernel, plan.n_chunks, plan.chunks, plan.meta, grad_ptrs, keys,
-                scale, clip, float(weight), float(weight_sum), host_value(decay_factor), float(weight_decay), float(1 - beta1),
-                float(beta2), float(1 - beta2), float(bias_correction2_sqrt), float(eps), -host_value(step_size),
+        s = adam_scalars(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
+        _launch(K.adam_kernel, plan.n_chunks, plan.chunks, plan.meta, grad_ptrs, keys, scale, clip, float(weight),
+                float(weight_sum), *map(float, (s[name] for name in _ADAM_KERNEL_SCALARS)),
                 ROUNDING=rounding, P_DTYPE=_TL_DTYPES[params[0].dtype],
                 G_DTYPE=_TL_DTYPES[grads[0].dtype] if grads is not None else tl.float32,
                 FUSE=grads is not None, OVERWRITE=bool(overwrite) and grads is not None,
-                HAS_SCALE=grads is not None and grad_scale is not None, HAS_CLIP=clip_coef is not None, HAS_WD=has_wd,
+                HAS_SCALE=grads is not None and grad_scale is not None, HAS_CLIP=clip_coef is not None,
+                HAS_WD=weight_decay != 0,
                 DECOUPLED=bool(decoupled_weight_decay), AMSGRAD=bool(amsgrad), MAXIMIZE=bool(maximize),
                 ALIGNED=aligned, META=plan.width, CHUNK=plan.chunk, BLOCK=plan.block)
     layout.finish()
