@@ -95,11 +95,12 @@ def user_stacklevel() -> int:
     neither accum_fused nor torch: the user's line, through however many wrappers torch puts
     around step() (its profiling hook, dynamo's disable, no_grad: they differ between versions)
     and however a warning's code is reached (an entry point, or a hook inside the user's
-    ``loss.backward()``)."""
-    frame, level = sys._getframe(2), 2
+    ``loss.backward()``). No such frame (a hook on autograd's device thread, whose stack holds
+    only the hook): the caller's, 2."""
+    frame, level = sys._getframe(1).f_back, 2
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         frame, level = frame.f_back, level + 1
-    return level
+    return level if frame is not None else 2
 
 
 _LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
