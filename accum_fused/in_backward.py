@@ -184,6 +184,7 @@ class FastPath:
         self.params: list[Tensor] = []  # by slot
         self.slot_of: dict[Tensor, int] = {}
         self.routes: list = []  # by slot: each row's route (window.table.Route), as build_rows decided it
+        self.all_kernels = False  # every row's gradients go in by the cpp backend's kernels (build_rows)
         self.built = 0  # rows built by the Python loop over the parameters (tests count them)
         self._slots_of: list | None = None  # slots_of's
         self.dict_handles: list[_DictHookHandle] = []  # hooks in a dict of Python hooks (rehook_dropped)
@@ -232,6 +233,7 @@ class FastPath:
         there, executed by the extension) and its window state (buffer, live, adopted)."""
         from .window import route
         routes = self.routes = [route(opt, win, p, by_torch_ops(p)) for p in self.params]
+        self.all_kernels = all(r.takes and not r.torch_ops for r in routes)  # (_arm_folds_from_kept's)
         self.state.set_rows(self.params, [r.takes for r in routes], [r.adopts for r in routes],
                             [r.torch_ops for r in routes], [win.buffers.get(p) for p in self.params],
                             [p in win.live for p in self.params], [p in win.adopted for p in self.params])
@@ -296,27 +298,25 @@ class FastPath:
         """``arm`` for a pass that folds every parameter's update into its hook, from the
         update's kept lists (window.UpdatePlan: every parameter live, the state standing) with
         no Python loop over the parameters: what ``_FoldArgs`` would find for each, where each
-        group shares one step count and runs on the cpp backend. False, with nothing armed, where
-        the loop must do it."""
-        from .backends import cpp_backend
+        group shares one step count and every row's route sends its gradients to the cpp
+        backend's kernels (``all_kernels``: the routes decide it, once per epoch). False, with
+        nothing armed, where the loop must do it."""
         from .window import UpdatePlan
         spec = opt.update_spec
         # (built here once every parameter has state: a first update creates it in Python, and
         # reading Adam's lists would create it first)
         kept = UpdatePlan.for_window(opt, win, build=not spec.state_lists_create_state
                                      or len(opt.state) >= len(win.live))
-        if kept is None or not kept.complete or not spec.has_lists:
+        if kept is None or not kept.complete or not spec.has_lists or not self.all_kernels:
             return False
         params = spec.params(opt)
         slots = list(self.slots_of(params))
         if None in slots:
             return False
         specs, spec_of, states = [], [], ([], [], [], [])
-        for group, group_params, lists, backend, _ in kept.calls:
+        for group, group_params, lists, _, _ in kept.calls:
             n = len(group_params)
-            if backend is not cpp_backend or by_torch_ops(group_params[0]) \
-                    or not _folds_in_extension(group_params[0], group) \
-                    or not spec.uniform_call_key(opt, lists):
+            if not _folds_in_extension(group_params[0], group) or not spec.uniform_call_key(opt, lists):
                 return False
             hyper = spec.hyperparameters(group)
             adam = "beta1" in hyper
