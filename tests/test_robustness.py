@@ -80,6 +80,21 @@ def test_auto_warns_when_the_extension_does_not_load(monkeypatch):
         backends.resolve("auto", torch.device("cpu"), torch.float32)
 
 
+def test_auto_fallback_warning_points_at_the_users_line(monkeypatch):
+    """Where the user's optimizer first resolves its backend (its first step here), the warning
+    names that line, not accum_fused's (it named update.py)."""
+    monkeypatch.setitem(backends._unavailable, "cpp", "ImportError: simulated")
+    monkeypatch.delitem(backends._loaded, "cpp", raising=False)
+    monkeypatch.setattr(backends, "_resolved", {})
+    monkeypatch.setattr(backends, "_warned_auto_fallback", False)
+    model = make_model()
+    with pytest.warns(UserWarning, match="slower reference backend") as record:
+        opt = accum_fused.AdamW(model.parameters(), lr=0.01, accumulation_steps=2)
+        loss_of(model, make_batches([2])[0]).backward()
+        opt.step()
+    assert [w.filename for w in record] == [__file__]
+
+
 def test_auto_does_not_warn_when_the_reference_is_the_right_choice(monkeypatch):
     if "cpp" not in accum_fused.available_backends():
         pytest.skip("needs the cpp extension")

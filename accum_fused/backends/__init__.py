@@ -15,6 +15,7 @@ from types import ModuleType
 
 import torch
 
+from ..framework_guard import user_stacklevel
 from . import reference
 
 BACKEND_NAMES = ("torch", "cpp", "triton")
@@ -153,5 +154,5 @@ def _decide(name: str, device: torch.device, dtype: torch.dtype) -> ModuleType:
     if name == AUTO and failed and not _warned_auto_fallback:
         _warned_auto_fallback = True
         reasons = "; ".join(f"{n}: {why} (fix: {_FIX[n]})" for n, why in failed.items())
-        warnings.warn(f"accum_fused: using the slower reference backend ({reasons})", stacklevel=3)
+        warnings.warn(f"accum_fused: using the slower reference backend ({reasons})", stacklevel=user_stacklevel())
     return reference
