@@ -14,7 +14,8 @@ wrong around an optimizer that holds the window unless accum_fused's integration
 Only optimizers that accumulate (``accumulation_steps > 1`` or ``in_backward``) are checked:
 with neither, an accum_fused optimizer is a plain torch.optim one, which both loops drive right.
 Imports no framework: only what the process has imported already is looked for, once per
-optimizer, a few frames up.
+optimizer, a few frames up. The same walk up the stack gives every warning of the package its
+stack level (``user_stacklevel``): the user's line, past torch's frames and ours.
 """
 from __future__ import annotations
 
