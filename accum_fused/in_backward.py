@@ -231,12 +231,10 @@ class FastPath:
         parameter cast or moved since they were built, which the extension finds: then their
         epoch is -1): each parameter's route (window.table.route, with by_torch_ops: decided
         there, executed by the extension) and its window state (buffer, live, adopted)."""
-        from .window import route
+        from .window.table import route, row_lists
         routes = self.routes = [route(opt, win, p, by_torch_ops(p)) for p in self.params]
         self.all_kernels = all(r.takes and not r.torch_ops for r in routes)  # (_arm_folds_from_kept's)
-        self.state.set_rows(self.params, [r.takes for r in routes], [r.adopts for r in routes],
-                            [r.torch_ops for r in routes], [win.buffers.get(p) for p in self.params],
-                            [p in win.live for p in self.params], [p in win.adopted for p in self.params])
+        self.state.set_rows(self.params, **row_lists(win, self.params, routes, list(map(win.buffers.get, self.params))))
         self.state.epoch = win.caches.epoch
         self.built += 1
 

@@ -134,22 +134,13 @@ struct FoldSpec {
   }
 };
 
-// A slot is the table's row of one hooked parameter: the window's state of it (its buffer, live,
-// adopted), kept true by every writer (this file's takes; in_backward.py writes its own through,
-// python_took; new_window ends a window), and its route (in_backward.FastPath.build_rows: decided
-// once per layout epoch, in Python, never here). A pass that folds nothing derives each slot's
-// mode from its row (mode_of); one that folds arms explicit modes (arm).
-struct Slot {
-  // The row: its route ...
-  bool eligible = false;   // the hooks may take its gradients (a plain tensor on the cpp backend or torch's ops)
-  bool may_adopt = false;  // a first gradient of a window may become its buffer (zero-copy)
-  bool torch_ops = false;  // its gradients go in through torch's ops, not the kernels (by_torch_ops)
-  // What the route was decided for (a parameter changed since makes the rows stale: route_stands).
-  BuiltFor built_for;
-  // ... and its window state.
-  Tensor buffer;  // undefined: none yet
-  bool live = false;
-  bool adopted = false;  // the buffer is an adopted gradient (or a fresh one the window lets go of as it ends)
+// A slot is the table's row of one hooked parameter (ops.h's Row: its route, from
+// in_backward.FastPath.build_rows, and the window's state of it, kept true by every writer: this
+// file's takes; in_backward.py writes its own through, python_took; new_window ends a window;
+// a parameter changed since the row was built makes the rows stale: route_stands), with what
+// the armed pass gives it. A pass that folds nothing derives each slot's mode from its row
+// (mode_of); one that folds arms explicit modes (arm).
+struct Slot : Row {
   // An explicit arm's (a pass that folds): its mode and buffer, and for FOLD the parameter's
   // group update, whether the buffer is stale, its state and step count.
   int64_t mode = kNone;
@@ -220,25 +211,14 @@ struct HookState : std::enable_shared_from_this<HookState> {
 
   // The table's rows, all of them (aligned with the slots): the route and the window's state of
   // each hooked parameter (in_backward.FastPath.build_rows, once per layout epoch).
-  void set_rows(const std::vector<Tensor>& params, const std::vector<bool>& eligible,
+  void set_rows(const std::vector<Tensor>& params, const std::vector<bool>& takes,
                 const std::vector<bool>& may_adopt, const std::vector<bool>& torch_ops,
                 const std::vector<std::optional<Tensor>>& buffers, const std::vector<bool>& live,
                 const std::vector<bool>& adopted) {
+    std::vector<Row> rows = make_rows(params, takes, may_adopt, torch_ops, buffers, live, adopted);
     const Lock lock(mu);
-    const size_t n = slots.size();
-    TORCH_CHECK(params.size() == n && eligible.size() == n && may_adopt.size() == n && torch_ops.size() == n &&
-                    buffers.size() == n && live.size() == n && adopted.size() == n,
-                "set_rows: one row per slot");
-    for (size_t i = 0; i < n; ++i) {
-      Slot& s = slots[i];
-      s.built_for = BuiltFor(params[i]);
-      s.eligible = eligible[i];
-      s.may_adopt = may_adopt[i];
-      s.torch_ops = torch_ops[i];
-      s.buffer = buffers[i].value_or(Tensor());
-      s.live = live[i] && s.buffer.defined();
-      s.adopted = adopted[i] && s.buffer.defined();
-    }
+    TORCH_CHECK(rows.size() == slots.size(), "set_rows: one row per slot");
+    for (size_t i = 0; i < rows.size(); ++i) static_cast<Row&>(slots[i]) = std::move(rows[i]);
   }
 
   // What a slot does with its gradient in the armed pass: the explicit arm's mode, or the one
@@ -248,7 +228,7 @@ struct HookState : std::enable_shared_from_this<HookState> {
 
   int64_t mode_of(const Slot& s) const {
     if (!by_row(s)) return s.mode;
-    if (!s.eligible) return kNone;
+    if (!s.takes) return kNone;
     if (s.live) return kAdd;
     if (s.may_adopt) return kAdopt;
     return s.buffer.defined() ? kOverwrite : kNone;
@@ -324,11 +304,7 @@ struct HookState : std::enable_shared_from_this<HookState> {
     std::vector<NodePtr> kept;  // (declared before the lock: the nodes go after it is let go)
     const Lock lock(mu);
     for (Slot& s : slots) {
-      s.live = false;
-      if (s.adopted) {
-        s.buffer = Tensor();
-        s.adopted = false;
-      }
+      s.end_window();
       if (s.accumulator) kept.push_back(std::move(s.accumulator));
     }
   }
@@ -408,9 +384,7 @@ struct HookState : std::enable_shared_from_this<HookState> {
       s.seen_task = armed_task;
       s.mode = kNone;
     }
-    s.buffer = buffer.value_or(Tensor());
-    s.live = live && s.buffer.defined();
-    s.adopted = adopted && s.buffer.defined();
+    s.hold(buffer, live, adopted);
   }
 
   py::tuple drain() {
@@ -857,7 +831,7 @@ void register_hooks(py::module& m) {
   py::class_<HookState, std::shared_ptr<HookState>>(m, "HookState")
       .def(py::init<>())
       .def("add_slot", &HookState::add_slot)
-      .def("set_rows", &HookState::set_rows, py::arg("params"), py::arg("eligible"), py::arg("may_adopt"),
+      .def("set_rows", &HookState::set_rows, py::arg("params"), py::arg("takes"), py::arg("may_adopt"),
            py::arg("torch_ops"), py::arg("buffers"), py::arg("live"), py::arg("adopted"))
       .def("begin_pass", &HookState::begin_pass, py::arg("weight"), py::arg("norm_weight_sum"), py::arg("weight_sum"),
            py::arg("seen"))

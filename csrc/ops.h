@@ -1,4 +1,5 @@
-// The ops of bindings.cpp that other translation units call (hooks.cpp).
+// The ops of bindings.cpp that other translation units call (hooks.cpp), and the table's row
+// (step_table.cpp and hooks.cpp).
 #pragma once
 
 #include <torch/extension.h>
@@ -79,6 +80,41 @@ struct BuiltFor {
     return p.scalar_type() == dtype && p.device() == device && p.sizes() == shape && p.is_contiguous() == contiguous;
   }
 };
+
+// One parameter's row of the table, as both fast paths keep it (step_table.cpp's StepTable for
+// plain mode, hooks.cpp's HookState for the in-backward modes): its route, decided in Python
+// once per layout epoch (window.table.route) and executed here, never decided again; what the
+// route was decided for; and the window's state of it, which every writer keeps true.
+struct Row {
+  bool takes = false;      // the fast path may take its gradients
+  bool may_adopt = false;  // a window's first gradient may become its buffer (zero-copy)
+  bool torch_ops = false;  // its gradients go in by torch's ops, not the kernels (in_backward.by_torch_ops)
+  BuiltFor built_for;
+  at::Tensor buffer;  // undefined: none yet
+  bool live = false;
+  bool adopted = false;  // the buffer is an adopted gradient (or a fresh one the window lets go of as it ends)
+
+  // The window's state of the parameter (as Python's window holds it: a live or adopted buffer).
+  void hold(const std::optional<at::Tensor>& buf, bool is_live, bool is_adopted) {
+    buffer = buf.value_or(at::Tensor());
+    live = is_live && buffer.defined();
+    adopted = is_adopted && buffer.defined();
+  }
+  // The window ended: nothing is live, and an adopted buffer is let go of (Window.discard).
+  void end_window() {
+    live = false;
+    if (adopted) {
+      buffer = at::Tensor();
+      adopted = false;
+    }
+  }
+};
+
+// Every row anew, from window.table.row_lists' lists (one entry per parameter, in order).
+std::vector<Row> make_rows(const std::vector<at::Tensor>& params, const std::vector<bool>& takes,
+                           const std::vector<bool>& may_adopt, const std::vector<bool>& torch_ops,
+                           const std::vector<std::optional<at::Tensor>>& buffers, const std::vector<bool>& live,
+                           const std::vector<bool>& adopted);
 
 void register_hooks(pybind11::module& m);
 void register_step_table(pybind11::module& m);  // step_table.cpp

@@ -22,21 +22,19 @@
 // micro-batch costs no bytes either, and between windows the parameter holds no buffer, 12 B
 // per fp32 AdamW parameter instead of 16), else a fresh one, kept between windows.
 //
-//   StepTable(params, buffers, live, adopted, may_adopt)
-//                                          params: the optimizer's, in order; adopted: buffers
-//                                          that are adopted gradients (let go of as windows end);
-//                                          may_adopt: each one's route (window.table.route: a
-//                                          first gradient may become its buffer)
+//   StepTable(params, takes, may_adopt, torch_ops, buffers, live, adopted)
+//                                          params: the optimizer's, in order; the rest, their
+//                                          rows (ops.h's Row; window.table.row_lists)
 //     check() -> n                         gradients present; -1: not the table's to take
 //     take(weight, grad_scale, clear, norm_weight_sum=None)
 //         -> (newly live indices, norms or None, indices given a buffer, those buffers, how many
 //             of them (the first) are adopted gradients)       (right after a check > 0)
-//     drop_adopted()                       the window ended: its adopted buffers go
+//     new_window()                         the window ended: no buffer is live, adopted ones go
 //     buffers(), missing_buffers()         every buffer in order (none missing); how many are
 //     present_grads(), release(clear)      the checked gradients, and taking them without adding
 //                                          (the closing micro-batch folded into the update)
 //     drop_checked()                       not taking them after all
-//     mark_live(params), reset_live(), live_count
+//     mark_live(params), live_count
 //     conforms()                           every buffer still fits its parameter (Window.conform's check)
 #include <torch/extension.h>
 
@@ -57,49 +55,34 @@ using at::Tensor;
 
 struct StepTable {
   std::vector<Tensor> params;
-  std::vector<Tensor> buffers;  // undefined: none yet
-  // Each parameter as the table was built for it: one changed since is Window.conform's and
+  // Each parameter's row (every route takes: window.table.StepTable.build builds no table
+  // otherwise). A parameter changed since its row was built is Window.conform's and
   // conform_state's to refuse or follow; the table hands it back (fits, conforms).
-  std::vector<BuiltFor> built_for;
-  std::vector<char> live;
-  std::vector<char> adopted;  // buffers[i] is an adopted gradient: let go of when the window ends
-  // Its route, decided in Python (window.table.route): a first gradient may become its buffer
-  // (not where the buffers are views of one flat storage, DDP's; fp32, contiguous).
-  std::vector<char> may_adopt;
+  std::vector<Row> rows;
   std::unordered_map<const c10::TensorImpl*, int64_t> index_of;
   std::vector<int64_t> present;  // filled by check: indices with a gradient
   std::vector<Tensor> grads;     // and those gradients
   int64_t live_count = 0;
 
-  StepTable(const py::list& param_objects, const std::vector<std::optional<Tensor>>& bufs,
-            const std::vector<bool>& live_now, const std::vector<bool>& adopted_now, const std::vector<bool>& adopt) {
-    const size_t n = param_objects.size();
-    TORCH_CHECK(bufs.size() == n && live_now.size() == n && adopted_now.size() == n && adopt.size() == n,
-                "StepTable: lists differ in length");
-    params.reserve(n);
-    for (size_t i = 0; i < n; ++i) {
-      Tensor p = param_objects[i].cast<Tensor>();
-      index_of[p.unsafeGetTensorImpl()] = static_cast<int64_t>(i);
-      built_for.emplace_back(p);
-      params.push_back(std::move(p));
-      buffers.push_back(bufs[i].value_or(Tensor()));
-      TORCH_CHECK(!live_now[i] || buffers.back().defined(), "StepTable: a live parameter without a buffer");
-      live.push_back(live_now[i] ? 1 : 0);
-      live_count += live_now[i];
-      adopted.push_back(adopted_now[i] && buffers.back().defined() ? 1 : 0);
-      may_adopt.push_back(adopt[i] ? 1 : 0);
+  StepTable(const std::vector<Tensor>& ps, const std::vector<bool>& takes, const std::vector<bool>& may_adopt,
+            const std::vector<bool>& torch_ops, const std::vector<std::optional<Tensor>>& buffers,
+            const std::vector<bool>& live, const std::vector<bool>& adopted)
+      : params(ps), rows(make_rows(ps, takes, may_adopt, torch_ops, buffers, live, adopted)) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      index_of[params[i].unsafeGetTensorImpl()] = static_cast<int64_t>(i);
+      live_count += rows[i].live;
     }
   }
 
   bool fits(size_t i, const Tensor& g) const {
     const Tensor& p = params[i];
-    const Tensor& b = buffers[i];
+    const Tensor& b = rows[i].buffer;
     if (!kernel_grad(g)) return false;
-    if (!built_for[i].stands(p)) return false;  // the parameter changed: Window.conform's work
+    if (!rows[i].built_for.stands(p)) return false;  // the parameter changed: Window.conform's work
     if (!b.defined()) {
       // take gives it one: the gradient itself or a contiguous fp32 buffer (Window.buffer's, for
       // a contiguous parameter of a kernel dtype); anything else is Window.buffer's to allocate.
-      return !live[i] && kernel_dtype(p.scalar_type()) && p.is_contiguous() && g.is_contiguous() &&
+      return !rows[i].live && kernel_dtype(p.scalar_type()) && p.is_contiguous() && g.is_contiguous() &&
              g.device() == p.device() && g.sizes() == p.sizes();
     }
     if (!accum_fused::fits(b, p)) return false;
@@ -117,7 +100,7 @@ struct StepTable {
   bool can_adopt(size_t k, bool scaled, bool clear) const {
     const Tensor& g = grads[k];
     const Tensor& p = params[present[k]];
-    return may_adopt[present[k]] && clear && !scaled && adoptable(g, p) &&
+    return rows[present[k]].may_adopt && clear && !scaled && adoptable(g, p) &&
            !g.requires_grad() && only_held_here(g) && memory_held_only_by(g);
   }
 
@@ -184,8 +167,8 @@ struct StepTable {
     std::vector<Tensor> scaled_in_place;  // adopted with a weight other than 1: g <- g * w
     for (size_t k = 0; k < present.size(); ++k) {
       const int64_t i = present[k];
-      if (buffers[i].defined()) {
-        buffer_at[k] = buffers[i];
+      if (rows[i].buffer.defined()) {
+        buffer_at[k] = rows[i].buffer;
       } else if (!norm_weight_sum.has_value() && can_adopt(k, grad_scale.has_value(), clear)) {
         skip[k] = 1;
         given.push_back(i);
@@ -210,7 +193,7 @@ struct StepTable {
     for (size_t k = 0; k < present.size(); ++k) {
       if (skip[k]) continue;
       const int64_t i = present[k];
-      const bool overwrite = !live[i];
+      const bool overwrite = !rows[i].live;
       const at::ScalarType d = grads[k].scalar_type();
       Group* group = nullptr;
       for (Group& g : groups) {
@@ -245,22 +228,18 @@ struct StepTable {
       if (!scaled_in_place.empty()) accumulate_op(scaled_in_place, scaled_in_place, weight, true, std::nullopt, std::nullopt);
     }
     for (size_t j = 0; j < given.size(); ++j) {
-      buffers[given[j]] = given_buffers[j];
-      adopted[given[j]] = static_cast<int64_t>(j) < adopted_now ? 1 : 0;
+      rows[given[j]].buffer = given_buffers[j];
+      rows[given[j]].adopted = static_cast<int64_t>(j) < adopted_now;
     }
     std::vector<int64_t> newly_live = release(clear);
     return {std::move(newly_live), std::move(norms), std::move(given), std::move(given_buffers), adopted_now};
   }
 
-  // The window ended: the buffers that were its adopted gradients go (Window.discard drops
-  // them from window.buffers); the next window's first gradients get new ones.
-  void drop_adopted() {
-    for (size_t i = 0; i < buffers.size(); ++i) {
-      if (adopted[i]) {
-        buffers[i] = Tensor();
-        adopted[i] = 0;
-      }
-    }
+  // The window ended: no buffer is live, and those that were its adopted gradients go
+  // (Window.discard drops them from window.buffers); the next window's first gradients get new ones.
+  void new_window() {
+    for (Row& row : rows) row.end_window();
+    live_count = 0;
   }
 
   // The gradients found by the last check, in its order (a closing micro-batch folded into the
@@ -273,8 +252,8 @@ struct StepTable {
     std::vector<int64_t> newly_live;
     for (const int64_t i : present) {
       if (clear) params[i].mutable_grad().reset();
-      if (!live[i]) {
-        live[i] = 1;
+      if (!rows[i].live) {
+        rows[i].live = true;
         ++live_count;
         newly_live.push_back(i);
       }
@@ -296,9 +275,10 @@ struct StepTable {
     for (const Tensor& p : made_live) {
       auto it = index_of.find(p.unsafeGetTensorImpl());
       TORCH_CHECK(it != index_of.end(), "StepTable.mark_live: not a parameter of the table");
-      TORCH_CHECK(buffers[it->second].defined(), "StepTable.mark_live: a parameter without a buffer");
-      if (!live[it->second]) {
-        live[it->second] = 1;
+      Row& row = rows[it->second];
+      TORCH_CHECK(row.buffer.defined(), "StepTable.mark_live: a parameter without a buffer");
+      if (!row.live) {
+        row.live = true;
         ++live_count;
       }
     }
@@ -308,8 +288,8 @@ struct StepTable {
   // (Window.conform and conform_state would change nothing).
   bool conforms() const {
     for (size_t i = 0; i < params.size(); ++i) {
-      const Tensor& b = buffers[i];
-      if (!built_for[i].stands(params[i]) || (b.defined() && !accum_fused::fits(b, params[i]))) {
+      const Tensor& b = rows[i].buffer;
+      if (!rows[i].built_for.stands(params[i]) || (b.defined() && !accum_fused::fits(b, params[i]))) {
         return false;
       }
     }
@@ -319,17 +299,17 @@ struct StepTable {
   // Every parameter's buffer, in order (window.StepTable.close's update reads them: a window's
   // adopted ones are new each window); none may be missing.
   std::vector<Tensor> all_buffers() const {
-    for (const Tensor& b : buffers) TORCH_CHECK(b.defined(), "StepTable.buffers: a parameter without a buffer");
+    std::vector<Tensor> buffers;
+    buffers.reserve(rows.size());
+    for (const Row& row : rows) {
+      TORCH_CHECK(row.buffer.defined(), "StepTable.buffers: a parameter without a buffer");
+      buffers.push_back(row.buffer);
+    }
     return buffers;
   }
 
   int64_t missing_buffers() const {
-    return std::count_if(buffers.begin(), buffers.end(), [](const Tensor& b) { return !b.defined(); });
-  }
-
-  void reset_live() {
-    std::fill(live.begin(), live.end(), 0);
-    live_count = 0;
+    return std::count_if(rows.begin(), rows.end(), [](const Row& row) { return !row.buffer.defined(); });
   }
 };
 
@@ -354,12 +334,34 @@ bool same_objects(const py::list& lists, const py::tuple& objects) {
 
 }  // namespace
 
+std::vector<Row> make_rows(const std::vector<Tensor>& params, const std::vector<bool>& takes,
+                           const std::vector<bool>& may_adopt, const std::vector<bool>& torch_ops,
+                           const std::vector<std::optional<Tensor>>& buffers, const std::vector<bool>& live,
+                           const std::vector<bool>& adopted) {
+  const size_t n = params.size();
+  TORCH_CHECK(takes.size() == n && may_adopt.size() == n && torch_ops.size() == n && buffers.size() == n &&
+                  live.size() == n && adopted.size() == n,
+              "the table's rows: lists differ in length");
+  std::vector<Row> rows(n);
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(!live[i] || buffers[i].has_value(), "the table's rows: a live parameter without a buffer");
+    rows[i].takes = takes[i];
+    rows[i].may_adopt = may_adopt[i];
+    rows[i].torch_ops = torch_ops[i];
+    rows[i].built_for = BuiltFor(params[i]);
+    rows[i].hold(buffers[i], live[i], adopted[i]);
+  }
+  return rows;
+}
+
 void register_step_table(py::module& m) {
   m.def("same_objects", &same_objects, py::arg("lists"), py::arg("objects"));
   py::class_<StepTable>(m, "StepTable")
-      .def(py::init<const py::list&, const std::vector<std::optional<Tensor>>&, const std::vector<bool>&,
-                    const std::vector<bool>&, const std::vector<bool>&>(),
-           py::arg("params"), py::arg("buffers"), py::arg("live"), py::arg("adopted"), py::arg("may_adopt"))
+      .def(py::init<const std::vector<Tensor>&, const std::vector<bool>&, const std::vector<bool>&,
+                    const std::vector<bool>&, const std::vector<std::optional<Tensor>>&, const std::vector<bool>&,
+                    const std::vector<bool>&>(),
+           py::arg("params"), py::arg("takes"), py::arg("may_adopt"), py::arg("torch_ops"), py::arg("buffers"),
+           py::arg("live"), py::arg("adopted"))
       .def("check", &StepTable::check)
       .def("take", &StepTable::take, py::arg("weight"), py::arg("grad_scale"), py::arg("clear"),
            py::arg("norm_weight_sum") = py::none())
@@ -367,8 +369,7 @@ void register_step_table(py::module& m) {
       .def("release", &StepTable::release, py::arg("clear"))
       .def("drop_checked", &StepTable::drop_checked)
       .def("mark_live", &StepTable::mark_live, py::arg("params"))
-      .def("reset_live", &StepTable::reset_live)
-      .def("drop_adopted", &StepTable::drop_adopted)
+      .def("new_window", &StepTable::new_window)
       .def("buffers", &StepTable::all_buffers)
       .def("missing_buffers", &StepTable::missing_buffers)
       .def("conforms", &StepTable::conforms)

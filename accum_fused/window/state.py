@@ -432,11 +432,12 @@ class Window:
         table_current = table is not None and table.epoch == epoch
         rows_current = hooks is not None and hooks.epoch == epoch
         self.changed()
-        if table_current and self.adopted:
-            table.cpp.drop_adopted()
+        if table_current:
+            table.cpp.new_window()  # (a stale table is built anew before it is used)
+            table.epoch = self.caches.epoch
             if len(self.adopted) == len(table.buffered):
                 table.buffered = set()
-            else:
+            elif self.adopted:
                 table.buffered.difference_update(self.adopted)
         if hooks is not None:
             hooks.new_window()
@@ -449,10 +450,6 @@ class Window:
                 del self.buffers[p]
         self.adopted.clear()
         self.live.clear()
-        if table is not None:
-            table.cpp.reset_live()
-            if table_current:
-                table.epoch = self.caches.epoch
         self.caches.table_blocked = False
         self.late_weights.clear()
         self.grads_held = False

@@ -55,6 +55,14 @@ def route(opt, win: Window, p: Tensor, torch_ops: bool = False) -> Route:
     return Route(takes, takes and win.may_adopt and adopts(p), torch_ops)
 
 
+def row_lists(win: Window, params: list[Tensor], routes: list[Route], buffers: list[Tensor | None]) -> dict:
+    """The table's rows of ``params`` as the extension builds them (csrc/ops.h's Row, for the
+    step table and the hooks alike): each one's route and the window's state of it."""
+    return dict(takes=[r.takes for r in routes], may_adopt=[r.adopts for r in routes],
+                torch_ops=[r.torch_ops for r in routes], buffers=buffers, live=[p in win.live for p in params],
+                adopted=[p in win.adopted for p in params])
+
+
 class StepTable:
     """The extension's table of plain mode's micro-batches (csrc/step_table.cpp: every
     parameter of the optimizer in order, its buffer, whether it is live), with what the window
@@ -82,12 +90,12 @@ class StepTable:
         if cpp is None or not params or any(group.get("fused") for group in opt.param_groups):
             return None
         device = params[0].device
-        buffers, may_adopt = [], []
+        buffers, routes = [], []
         for p in params:
             routed = route(opt, win, p)
             if p.device != device or not routed.takes:
                 return None
-            may_adopt.append(routed.adopts)
+            routes.append(routed)
             buf = win.buffers.get(p)
             if buf is not None and not fits(buf, p):
                 if p in win.live or win.sync is not None:
@@ -96,10 +104,7 @@ class StepTable:
                 win.changed()
                 buf = None
             buffers.append(buf)
-        live = [p in win.live for p in params]
-        adopted = [p in win.adopted for p in params]
-        # (DDP's buffers are views of its flat buckets: not to be replaced by gradients)
-        table = cpp.StepTable(params, buffers, live, adopted, may_adopt=may_adopt)
+        table = cpp.StepTable(params, **row_lists(win, params, routes, buffers))
         return StepTable(table, params, {p for p, buf in zip(params, buffers) if buf is not None}, device, win.caches.epoch)
 
     def closing_plan(self, opt, win: Window, present: int) -> UpdatePlan | None:
