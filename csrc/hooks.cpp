@@ -23,7 +23,8 @@
 // here (`drain`) before it reads or changes the pass's records.
 //
 //   HookState  one per optimizer; slot i = the i-th hooked parameter
-//     set_rows(...)  every row: route and window state (in_backward.FastPath.build_rows)
+//     set_rows(...)  every row: route and window state (in_backward.FastPath.build_rows); rows()
+//                reads them back (tests)
 //     epoch      the window's layout epoch the rows are true to (Python's to read and set)
 //     begin_pass(weight, norm_weight_sum, weight_sum, seen)  modes from the rows; `seen` slots
 //                are Python's in this pass; the current graph task becomes the armed one
@@ -848,6 +849,11 @@ void register_hooks(py::module& m) {
       .def("take_dropped", &HookState::take_dropped)
       .def("kept_nodes", &HookState::kept_nodes)
       .def("resized_slot", &HookState::resized_slot)
+      .def("rows",
+           [](const HookState& s) {
+             const HookState::Lock lock(s.mu);
+             return row_lists_of(s.slots);
+           })
       .def_property_readonly("armed",
                              [](const HookState& s) {
                                const HookState::Lock lock(s.mu);

@@ -110,6 +110,30 @@ struct Row {
   }
 };
 
+// The rows as window.table.row_lists gives them (its keys; tests compare the two after every
+// micro-batch: each writer keeps them true to the window).
+template <typename Rows>
+pybind11::dict row_lists_of(const Rows& rows) {
+  std::vector<bool> takes, may_adopt, torch_ops, live, adopted;
+  std::vector<std::optional<at::Tensor>> buffers;
+  for (const Row& row : rows) {
+    takes.push_back(row.takes);
+    may_adopt.push_back(row.may_adopt);
+    torch_ops.push_back(row.torch_ops);
+    buffers.push_back(row.buffer.defined() ? std::optional<at::Tensor>(row.buffer) : std::nullopt);
+    live.push_back(row.live);
+    adopted.push_back(row.adopted);
+  }
+  pybind11::dict lists;
+  lists["takes"] = takes;
+  lists["may_adopt"] = may_adopt;
+  lists["torch_ops"] = torch_ops;
+  lists["buffers"] = buffers;
+  lists["live"] = live;
+  lists["adopted"] = adopted;
+  return lists;
+}
+
 // Every row anew, from window.table.row_lists' lists (one entry per parameter, in order).
 std::vector<Row> make_rows(const std::vector<at::Tensor>& params, const std::vector<bool>& takes,
                            const std::vector<bool>& may_adopt, const std::vector<bool>& torch_ops,

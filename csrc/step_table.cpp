@@ -36,6 +36,7 @@
 //     drop_checked()                       not taking them after all
 //     mark_live(params), live_count
 //     conforms()                           every buffer still fits its parameter (Window.conform's check)
+//     rows()                               the rows, as window.table.row_lists gives them (tests)
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -373,6 +374,7 @@ void register_step_table(py::module& m) {
       .def("buffers", &StepTable::all_buffers)
       .def("missing_buffers", &StepTable::missing_buffers)
       .def("conforms", &StepTable::conforms)
+      .def("rows", [](const StepTable& t) { return row_lists_of(t.rows); })
       .def_readonly("live_count", &StepTable::live_count);
 }
 

@@ -388,3 +388,33 @@ def needs_fsdp2_on_cpu(what: str = ""):
     import pytest
     reason = fsdp2_on_cpu_skip_reason()
     return pytest.mark.skipif(reason is not None, reason=f"{what}{reason}")
+
+
+def rows_compared_with_window(opt) -> int:
+    """Compare the extension's rows (csrc/ops.h's Row: plain mode's step table, the in-backward
+    hooks' slots) with the window's state and the routes, where the rows say they are true to the
+    window (their layout epoch, between passes): every writer (the extension's takes, Python's,
+    the window's end) must keep them so. Returns how many tables were compared (0 or more)."""
+    from accum_fused.in_backward import by_torch_ops
+    from accum_fused.window.table import route, row_lists
+
+    win, compared = opt._window, 0
+    tables = []
+    table = win.caches.step_table
+    if table is not None and table.current(win):
+        tables.append((table.cpp.rows(), table.params, lambda p: False))
+    fast = getattr(opt, "_hooks", None) and opt._hooks.fast_path
+    if fast is not None and fast.state.epoch == win.caches.epoch and not fast.state.armed:
+        tables.append((fast.state.rows(), fast.params, by_torch_ops))
+    for rows, params, torch_ops in tables:
+        expected = row_lists(win, params, [route(opt, win, p, torch_ops(p)) for p in params],
+                             [win.buffers.get(p) for p in params])
+        assert rows.keys() == expected.keys()
+        for key in expected:
+            if key == "buffers":  # (the very tensor the window holds, or none)
+                mismatched = [i for i, (a, b) in enumerate(zip(rows[key], expected[key])) if a is not b]
+            else:
+                mismatched = [i for i, (a, b) in enumerate(zip(rows[key], expected[key])) if a != b]
+            assert len(rows[key]) == len(expected[key]) and not mismatched, (key, mismatched)
+        compared += 1
+    return compared

@@ -24,7 +24,7 @@ from torch import nn
 import accum_fused
 from accum_fused import in_backward, window as window_module
 
-from _helpers import built_without_extension
+from _helpers import built_without_extension, rows_compared_with_window
 
 pytestmark = pytest.mark.skipif(built_without_extension(), reason="the extension's hooks")
 
@@ -52,7 +52,7 @@ class Uses:
     """Counts what the kept paths did in a run (``spec``: switched off, Python's hooks alone)."""
 
     def __init__(self, monkeypatch, spec: bool) -> None:
-        self.updates = self.folds = 0
+        self.updates = self.folds = self.rows_compared = 0
         if spec:
             monkeypatch.setattr(in_backward.FastPath, "for_optimizer", staticmethod(lambda opt: None))
             monkeypatch.setattr(window_module.UpdatePlan, "for_window", staticmethod(lambda *args, **kw: None))
@@ -123,9 +123,11 @@ def _train(monkeypatch, spec, *, name, mode, clip, event, windows=6):
                 (loss * weight).backward()
                 if event == "zero_grad_mid_window" and w == 2 and i == 1:
                     opt.zero_grad()
+            uses.rows_compared += rows_compared_with_window(opt)  # (the hooks' rows are the window's)
         if mode == "A":
             opt.step()
             opt.zero_grad()
+            uses.rows_compared += rows_compared_with_window(opt)
     built = None if opt._hooks.fast_path is None else opt._hooks.fast_path.built
     state = [t for p in opt._all_params() for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
     out = [p.detach().clone() for p in opt._all_params()] + [t.clone() for t in state]
@@ -159,6 +161,10 @@ def test_kept_lists_match_python(monkeypatch, name, mode, clip, event):
     assert (uses.folds if mode == "B" and clip is None else uses.updates) >= minimum
     if event == "steady":
         assert built == 1  # (the rows, built once: every pass after keeps them true)
+    # The extension's rows were the window's at every point where they said they were current:
+    # all of them but one just after an event that makes them stale (read anew at the next pass).
+    points = 6 * K + (6 if mode == "A" else 0)
+    assert uses.rows_compared >= points - 1, uses.rows_compared
 
 
 @pytest.mark.parametrize("mode,clip", [("A", None), ("A", 1.0), ("B", None), ("B", 1.0)],

@@ -24,7 +24,7 @@ import accum_fused
 from accum_fused import window as window_module
 from accum_fused.window import plain as window_plain
 
-from _helpers import built_without_extension
+from _helpers import built_without_extension, rows_compared_with_window
 
 pytestmark = pytest.mark.skipif(built_without_extension(), reason="the step table is the extension's")
 
@@ -34,7 +34,7 @@ class Counted:
     ``off`` switches it off (the spec run)."""
 
     def __init__(self, monkeypatch, off: bool) -> None:
-        self.taken = self.closed = 0
+        self.taken = self.closed = self.rows_compared = 0
         original, original_close = window_plain.take_with_table, window_module.StepTable.close
 
         def take_with_table(win, *args):
@@ -146,6 +146,7 @@ def _train(monkeypatch, case, off, micro_batches=23):
     for i, batch in enumerate(_batches(micro_batches, dtype)):
         _micro_batch(opt, model, i, batch, side_every=spec.get("side_every", 1), weight=spec.get("weight", True),
                      scaler=scaler)
+        counted.rows_compared += rows_compared_with_window(opt)  # (the table's rows are the window's)
     mid = _state(opt, model)  # (23 = 5 windows of 4 + 3: an open window)
     opt.flush()
     return counted, mid, _state(opt, model)
@@ -159,6 +160,7 @@ def test_the_table_takes_micro_batches_as_the_python_path_does(monkeypatch, case
     assert spec.taken == spec.closed == 0
     # Windows 2.. take every micro-batch but the closing one (the first window allocates buffers).
     assert counted.taken >= 8, counted.taken
+    assert counted.rows_compared >= 8, counted.rows_compared
     assert counted.closed >= PLANNED.get(case, 0), counted.closed
     _assert_same(mid, spec_mid)
     _assert_same(end, spec_end)
