@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 import accum_fused
 from accum_fused import backends, in_backward
 
-from _helpers import RaisingBackward, cpu_skip_reason
+from _helpers import RaisingBackward, cpu_skip_reason, rows_compared_with_window
 
 pytestmark = pytest.mark.skipif("cpp" not in accum_fused.available_backends(), reason="needs the extension")
 
@@ -70,10 +70,14 @@ def _train(python_only, monkeypatch, *, dtype, mode, clip, name="AdamW", windows
     k = K if mode == "B" else 1
     opt = _optimizer(name, model.parameters(), accumulation_steps=k, max_grad_norm=clip, backend=backend)
     gen = torch.Generator().manual_seed(1)
+    rows_compared = 0
     for i in range(windows * K):
         x = torch.randn(3 + i % 4, 7, generator=gen).to(device, dtype)
         loss = (step_fn or (lambda m, x: m(x)))(model, x).float().square().mean()
         _micro_batch(opt, loss, mode, i)
+        rows_compared += rows_compared_with_window(opt)  # (the extension's rows are the window's)
+    if opt._hooks.fast_path is not None:  # (stale at most once: after an event, until the next pass)
+        assert rows_compared >= windows * K - 1, rows_compared
     taken = 0 if opt._hooks.fast_path is None else opt._hooks.fast_path.state.taken
     assert taken + python_calls[0] == windows * K * grads_per_pass  # every gradient taken once, by one of them
     opt.close()
