@@ -224,8 +224,10 @@ def test_failed_pass_after_the_extension_took_gradients(monkeypatch, closing):
         if not python_only:
             assert opt._hooks.fast_path.state.taken > 0 and not opt._hooks.fast_path.state.armed
         assert opt.micro_step == 0
+        rows_compared_with_window(opt)  # (the discarded window's rows, where current)
         for _ in range(K):
             opt.backward(model(x).square().mean())
+            assert rows_compared_with_window(opt) == (not python_only)
         results.append([opt.update_count] + [p.detach().clone() for p in model.parameters()])
         opt.close()
     assert results[0][0] == results[1][0] == 2

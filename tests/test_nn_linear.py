@@ -12,7 +12,7 @@ import accum_fused
 from accum_fused import in_backward
 from accum_fused.nn import fuse_linear_gradients, linear
 
-from _helpers import RaisingBackward
+from _helpers import RaisingBackward, rows_compared_with_window
 
 K = 4
 
@@ -58,6 +58,7 @@ def _train(fuse, *, backend="auto", mode="B", clip=None, ckpt=None, autocast=Fal
                 opt.step()
                 opt.zero_grad()
         assert all(p.grad is None for p in model.parameters())
+        rows_compared_with_window(opt)  # (the fused writes keep the extension's rows the window's)
     buffers = {n: opt._window.buffers[p].clone() for n, p in model.named_parameters() if p in opt._window.live}
     result = dict(params=[p.detach().clone() for p in model.parameters()], updates=opt.update_count,
                   buffers=buffers, fused=None if handle is None else handle.fused)
