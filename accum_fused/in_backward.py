@@ -189,6 +189,7 @@ class FastPath:
         self._slots_of: list | None = None  # slots_of's
         self.dict_handles: list[_DictHookHandle] = []  # hooks in a dict of Python hooks (rehook_dropped)
         self._adopted_params: tuple | None = None  # (slots, their parameters, as a set): _params_of_adopted
+        self._plan_slots: tuple | None = None  # (an update plan, its parameters' slots): slots_of_plan
 
     @staticmethod
     def for_optimizer(opt) -> FastPath | None:
@@ -293,8 +294,8 @@ class FastPath:
                        fold.overwrite, *fold.states)
 
     def _arm_folds_from_kept(self, opt, win, mb: BackwardPass, first: Tensor) -> bool:
-        """``arm`` for a pass that folds every parameter's update into its hook, from the
-        update's kept lists (window.UpdatePlan: every parameter live, the state standing) with
+        """``arm`` for a pass that folds every live parameter's update into its hook, from the
+        update's kept lists (window.UpdatePlan of the live parameters, the state standing) with
         no Python loop over the parameters: what ``_FoldArgs`` would find for each, where each
         group shares one step count and every row's route sends its gradients to the cpp
         backend's kernels (``all_kernels``: the routes decide it, once per epoch). False, with
@@ -307,8 +308,7 @@ class FastPath:
                                      or len(opt.state) >= len(win.live))
         if kept is None or not kept.complete or not spec.has_lists or not self.all_kernels:
             return False
-        params = spec.params(opt)
-        slots = list(self.slots_of(params))
+        slots = self.slots_of_plan(kept)
         if None in slots:
             return False
         specs, spec_of, states = [], [], ([], [], [], [])
@@ -327,9 +327,10 @@ class FastPath:
             spec_of += [len(specs) - 1] * n
             for column, values in zip(states, columns):
                 column += values
-        buffers = list(map(win.buffers.__getitem__, params))
+        buffers = kept.buffers_of(win)
         lists = [slots, buffers, spec_of, *states]
-        at = slots.index(self.slot_of[first]) if first in self.slot_of else None
+        first_slot = self.slot_of.get(first)
+        at = slots.index(first_slot) if first_slot is not None and first_slot in slots else None
         if at is not None:  # (the first gradient is Python's)
             for values in lists:
                 del values[at]
@@ -396,6 +397,14 @@ class FastPath:
             return kept
         self._slots_of = [self.slot_of.get(p) for p in params]
         return self._slots_of
+
+    def slots_of_plan(self, plan) -> list[int | None]:
+        """The slots of an update plan's parameters, in its order (a copy): kept while the plan
+        is the same object (it stands for as long as its parameters are the window's)."""
+        kept = self._plan_slots
+        if kept is None or kept[0] is not plan:
+            kept = self._plan_slots = (plan, [self.slot_of.get(p) for _, params, _, _, _ in plan.calls for p in params])
+        return list(kept[1])
 
     def window_norms(self, opt, mb: BackwardPass) -> list[Tensor | None]:
         """The norms the pass measured (``mb.norms``, ``mb.slot_norms``), aligned with

@@ -22,9 +22,11 @@
 // micro-batch costs no bytes either, and between windows the parameter holds no buffer, 12 B
 // per fp32 AdamW parameter instead of 16), else a fresh one, kept between windows.
 //
-//   StepTable(params, takes, may_adopt, torch_ops, buffers, live, adopted)
-//                                          params: the optimizer's, in order; the rest, their
-//                                          rows (ops.h's Row; window.table.row_lists)
+//   StepTable(params, takes, may_adopt, torch_ops, buffers, live, adopted, frozen)
+//                                          params: the optimizer's that require grad, in order;
+//                                          then their rows (ops.h's Row; window.table.row_lists);
+//                                          frozen: the others, whose gradient (a .grad set by
+//                                          hand, or one unfrozen since) makes check answer -1
 //     check() -> n                         gradients present; -1: not the table's to take
 //     take(weight, grad_scale, clear, norm_weight_sum=None)
 //         -> (newly live indices, norms or None, indices given a buffer, those buffers, how many
@@ -60,6 +62,7 @@ struct StepTable {
   // otherwise). A parameter changed since its row was built is Window.conform's and
   // conform_state's to refuse or follow; the table hands it back (fits, conforms).
   std::vector<Row> rows;
+  std::vector<Tensor> frozen;  // the optimizer's other parameters: any gradient there is Python's
   std::unordered_map<const c10::TensorImpl*, int64_t> index_of;
   std::vector<int64_t> present;  // filled by check: indices with a gradient
   std::vector<Tensor> grads;     // and those gradients
@@ -67,8 +70,8 @@ struct StepTable {
 
   StepTable(const std::vector<Tensor>& ps, const std::vector<bool>& takes, const std::vector<bool>& may_adopt,
             const std::vector<bool>& torch_ops, const std::vector<std::optional<Tensor>>& buffers,
-            const std::vector<bool>& live, const std::vector<bool>& adopted)
-      : params(ps), rows(make_rows(ps, takes, may_adopt, torch_ops, buffers, live, adopted)) {
+            const std::vector<bool>& live, const std::vector<bool>& adopted, const std::vector<Tensor>& frozen_params)
+      : params(ps), rows(make_rows(ps, takes, may_adopt, torch_ops, buffers, live, adopted)), frozen(frozen_params) {
     for (size_t i = 0; i < params.size(); ++i) {
       index_of[params[i].unsafeGetTensorImpl()] = static_cast<int64_t>(i);
       live_count += rows[i].live;
@@ -133,6 +136,9 @@ struct StepTable {
   int64_t check() {
     present.clear();
     grads.clear();
+    for (const Tensor& p : frozen) {
+      if (p.grad().defined()) return -1;
+    }
     for (size_t i = 0; i < params.size(); ++i) {
       const Tensor& g = params[i].grad();
       if (!g.defined()) continue;
@@ -360,9 +366,9 @@ void register_step_table(py::module& m) {
   py::class_<StepTable>(m, "StepTable")
       .def(py::init<const std::vector<Tensor>&, const std::vector<bool>&, const std::vector<bool>&,
                     const std::vector<bool>&, const std::vector<std::optional<Tensor>>&, const std::vector<bool>&,
-                    const std::vector<bool>&>(),
+                    const std::vector<bool>&, const std::vector<Tensor>&>(),
            py::arg("params"), py::arg("takes"), py::arg("may_adopt"), py::arg("torch_ops"), py::arg("buffers"),
-           py::arg("live"), py::arg("adopted"))
+           py::arg("live"), py::arg("adopted"), py::arg("frozen"))
       .def("check", &StepTable::check)
       .def("take", &StepTable::take, py::arg("weight"), py::arg("grad_scale"), py::arg("clear"),
            py::arg("norm_weight_sum") = py::none())

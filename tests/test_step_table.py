@@ -121,13 +121,21 @@ CASES = {
     "sgd_nesterov_clip": dict(make=lambda ps: accum_fused.SGD(ps, lr=0.1, momentum=0.9, nesterov=True,
                                                               accumulation_steps=4, max_grad_norm=0.5)),
     "two_groups": dict(make=lambda ps: _two_groups(ps, accumulation_steps=4, max_grad_norm=0.5)),
+    # (a parameter in the optimizer that never gets a gradient: a frozen embedding, a LoRA base)
+    "frozen_param": dict(make=lambda ps: _with_frozen(ps, accumulation_steps=4)),
 }
 # The cases whose windows the step table closes (every parameter has a gradient in every
 # micro-batch), with how many at least: the others close in Python (a parameter without a
 # gradient in the closing micro-batch, GradientAccumulator).
 # (windows 2.. of 23 micro-batches: the first allocates the buffers in Python)
 PLANNED = {"adamw": 4, "adamw_clip": 4, "adam_amsgrad_k3": 6, "sgd_momentum": 4, "unweighted": 4, "bf16": 4,
-           "fp16": 4, "grad_scaler": 4, "adamw_k1": 22, "sgd_nesterov_clip": 4, "two_groups": 4}
+           "fp16": 4, "grad_scaler": 4, "adamw_k1": 22, "sgd_nesterov_clip": 4, "two_groups": 4, "frozen_param": 4}
+
+
+def _with_frozen(params, **kwargs):
+    params = list(params)
+    params[0].requires_grad_(False)
+    return accum_fused.AdamW(params, lr=1e-2, weight_decay=0.1, **kwargs)
 
 
 def _two_groups(params, **kwargs):
@@ -164,6 +172,35 @@ def test_the_table_takes_micro_batches_as_the_python_path_does(monkeypatch, case
     assert counted.closed >= PLANNED.get(case, 0), counted.closed
     _assert_same(mid, spec_mid)
     _assert_same(end, spec_end)
+
+
+@pytest.mark.parametrize("how", ["unfrozen", "grad_set_by_hand"])
+def test_a_gradient_on_a_frozen_parameter_goes_through_python(monkeypatch, how):
+    """The table leaves frozen parameters out (their windows close with the table's plan), and
+    looks at their .grad: a gradient there (the parameter unfrozen, or .grad set by hand, which
+    torch.optim would step too) is Python's to take, and trains as the spec does."""
+    results = []
+    for off in (False, True):
+        with monkeypatch.context() as m:
+            counted = Counted(m, off)
+            model = Net()
+            opt = _with_frozen(model.parameters(), accumulation_steps=4)
+            frozen = next(model.parameters())
+            for i, batch in enumerate(_batches(16)):
+                if i == 9 and how == "unfrozen":
+                    frozen.requires_grad_(True)
+                x, y = batch
+                ((model(x) - y) ** 2).mean().backward()
+                if how == "grad_set_by_hand" and i in (5, 9):
+                    frozen.grad = torch.full_like(frozen, 0.5)
+                opt.step(weight=float(len(x)))
+                opt.zero_grad()
+                counted.rows_compared += rows_compared_with_window(opt)
+            results.append((counted, _state(opt, model)))
+    (fast, fast_state), (spec, spec_state) = results
+    assert fast.taken >= 4 and fast.closed >= 1 and spec.taken == 0
+    _assert_same(fast_state, spec_state)
+    assert not torch.equal(fast_state["params"][0], Net().body[0].weight)  # (its gradients were taken)
 
 
 def _opt_with_table(monkeypatch):

@@ -65,12 +65,14 @@ def row_lists(win: Window, params: list[Tensor], routes: list[Route], buffers: l
 
 class StepTable:
     """The extension's table of plain mode's micro-batches (csrc/step_table.cpp: every
-    parameter of the optimizer in order, its buffer, whether it is live), with what the window
-    needs back: the parameters by index, the set of those with buffers, the device, and the
-    window's layout ``epoch`` it is true to (Mirrors)."""
+    parameter of the optimizer that requires grad, in order, its buffer, whether it is live; the
+    frozen ones only looked at for a gradient, which is Python's to take), with what the window
+    needs back: the parameters by index and as a set, the set of those with buffers, the device,
+    and the window's layout ``epoch`` it is true to (Mirrors)."""
 
     def __init__(self, cpp, params: list[Tensor], buffered: set, device: torch.device, epoch: int) -> None:
         self.cpp, self.params, self.buffered, self.device, self.epoch = cpp, params, buffered, device, epoch
+        self.param_set = frozenset(params)  # (what the closing micro-batch's update plan covers)
         self.state_conformed = False  # conform_state ran since it was built (what moves state makes it stale)
 
     def current(self, win) -> bool:
@@ -82,13 +84,17 @@ class StepTable:
         """None where the table cannot stand in for add_micro_batch: parameters on several
         devices or not plain tensors (DTensor, complex), a parameter the cpp backend does not
         run, fused=True groups (torch's device checks), a live buffer that must follow its
-        parameter first (Window.conform). A stale buffer that no longer fits its parameter is
-        dropped here, as Window.conform drops it: the table then vouches for every buffer."""
+        parameter first (Window.conform), a parameter frozen since it joined the window. A stale
+        buffer that no longer fits its parameter is dropped here, as Window.conform drops it: the
+        table then vouches for every buffer."""
         cpp = backends.extension_paths(opt.backend, table=True)
-        spec = opt.update_spec
-        params = spec.params(opt)
+        params, frozen = [], []
+        for p in opt.update_spec.params(opt):
+            (params if p.requires_grad else frozen).append(p)
         if cpp is None or not params or any(group.get("fused") for group in opt.param_groups):
             return None
+        if frozen and not win.live.isdisjoint(frozen):
+            return None  # (frozen since its gradients joined the window: the window still updates it)
         device = params[0].device
         buffers, routes = [], []
         for p in params:
@@ -104,7 +110,7 @@ class StepTable:
                 win.changed()
                 buf = None
             buffers.append(buf)
-        table = cpp.StepTable(params, **row_lists(win, params, routes, buffers))
+        table = cpp.StepTable(params, **row_lists(win, params, routes, buffers), frozen=frozen)
         return StepTable(table, params, {p for p, buf in zip(params, buffers) if buf is not None}, device, win.caches.epoch)
 
     def closing_plan(self, opt, win: Window, present: int) -> UpdatePlan | None:
@@ -125,8 +131,8 @@ class StepTable:
         if not self.state_conformed:
             conform_optimizer_state(opt, self.params)
             self.state_conformed = True
-        plan = UpdatePlan.for_window(opt, win, build=True, every_live=False)
-        return plan if plan is not None and plan.count == n and plan.uniform(opt) else None
+        plan = UpdatePlan.for_window(opt, win, build=True, cover=self.param_set)
+        return plan if plan is not None and plan.uniform(opt) else None
 
     def close(self, opt, win: Window, plan: UpdatePlan, weight: float, grad_scale: Tensor | None) -> None:
         """Take the closing micro-batch (counted by the caller) and close ``win`` with ``plan``."""
@@ -164,12 +170,13 @@ def _layout_stands(spec, params: list[Tensor], lists: dict[str, list], layout: t
 
 class UpdatePlan:
     """Per param group, the arguments of one ``update`` call of the optimizer's update spec
-    besides the buffers and the window's scalars (the spec's ``state_lists``), so that a window in which every parameter is live
+    besides the buffers and the window's scalars (the spec's ``state_lists``), so that a window
     updates each group in one call, with no Python loop over its parameters: the step table's
-    closing micro-batch (plain mode) and the in-backward modes' close alike. One extension call
-    checks that the buffers and state fit their parameters (``conforms``, instead of
-    Window.conform's loop). Kept on the window between closes while it stands: the param groups
-    hold the same parameters in the same order, the groups' list-shaping flags stand
+    closing micro-batch (plain mode: the table's parameters, every one that requires grad) and
+    the close of a window from its live parameters (the in-backward modes', the spec's) alike.
+    One extension call checks that the buffers and state fit their parameters (``conforms``,
+    instead of Window.conform's loop). Kept on the window between closes while it stands: the
+    param groups are the same, the groups' list-shaping flags stand
     (``state_key``) and every kept state tensor is still the one its entry holds
     (the spec's ``lists_stand``: a state loaded, or replaced by hand, is read anew, as
     torch.optim reads it). Built only where each group is of one dtype and one device and its
@@ -178,27 +185,32 @@ class UpdatePlan:
     where the lists hold none, SGD's without momentum, checked one by one); kept only where no
     state is missing (SGD's momentum buffers exist after its first update)."""
 
-    def __init__(self, calls: list, key: tuple, complete: bool, layouts: list) -> None:
+    def __init__(self, calls: list, key: tuple, complete: bool, layouts: list, groups: int) -> None:
         self.calls, self.key, self.complete = calls, key, complete  # calls: (group, params, lists, backend, span)
         self.layouts = layouts  # per call, the (dtype, device) of its parameters
-        self.count = sum(len(params) for _, params, _, _, _ in calls)
+        self.groups = groups  # how many param groups the optimizer had
+        self.params = frozenset(p for _, params, _, _, _ in calls for p in params)
 
     @staticmethod
-    def for_window(opt, win: Window, build: bool, every_live: bool = True) -> UpdatePlan | None:
-        """The plan, when it stands (and ``every_live``: every parameter is live in ``win``);
-        else built anew where ``build`` (the update creates the state it holds) and it can be."""
+    def for_window(opt, win: Window, build: bool, cover: frozenset | None = None) -> UpdatePlan | None:
+        """The plan of the parameters in ``cover`` (by default the window's live ones; the step
+        table's closing micro-batch: the table's), when it stands; else built anew where
+        ``build`` (the update creates the state it holds) and it can be. (A set compared with a
+        set compares the hashes it holds: no Tensor.__hash__ per parameter.)"""
         spec = opt.update_spec
         if not spec.has_lists or win.shards is not None:
             return None
+        cover = win.live if cover is None else cover
         plan = win.caches.update_plan
-        if plan is not None and (not every_live or len(win.live) == plan.count) and plan.stand(opt):
+        if plan is not None and plan.params == cover and plan.stand(opt):
             return plan
         win.caches.update_plan = None
-        if not build or (every_live and len(win.live) != sum(len(group["params"]) for group in opt.param_groups)):
-            return None  # (and no state is created for a parameter the window leaves alone)
+        if not build or not cover:
+            return None
         calls, start, complete, layouts = [], 0, True, []
         for group in opt.param_groups:
-            params = list(group["params"])
+            # (no state is created for a parameter the window leaves alone: a frozen one, say)
+            params = [p for p in group["params"] if p in cover]
             if not params:
                 continue
             first = params[0]
@@ -209,7 +221,9 @@ class UpdatePlan:
             calls.append((group, params, lists, spec.backend_for(opt, first), slice(start, start + len(params))))
             layouts.append((first.dtype, first.device))
             start += len(params)
-        plan = UpdatePlan(calls, UpdatePlan.state_key(opt), complete, layouts)
+        plan = UpdatePlan(calls, UpdatePlan.state_key(opt), complete, layouts, len(opt.param_groups))
+        if plan.params != cover:
+            return None  # (a parameter outside the param groups: not the plan's to update)
         if complete:  # (state that the update creates: read again at the next close)
             win.caches.update_plan = plan
         return plan
@@ -223,13 +237,13 @@ class UpdatePlan:
     def stand(self, opt) -> bool:
         """(The parameters themselves are base.py's check, _wiring_stands, which every entry
         point runs first: a change drops the plan.)"""
-        groups = [group for group in opt.param_groups if group["params"]]
+        groups = opt.param_groups
         spec = opt.update_spec
-        return (self.key == UpdatePlan.state_key(opt) and len(groups) == len(self.calls)
-                and all(group is kept_group and len(group["params"]) == len(params)
+        return (self.key == UpdatePlan.state_key(opt) and len(groups) == self.groups
+                and all(any(group is kept_group for group in groups)
                         and spec.lists_stand(opt, params, lists)
                         and _layout_stands(spec, params, lists, layout)
-                        for group, (kept_group, params, lists, _, _), layout in zip(groups, self.calls, self.layouts)))
+                        for (kept_group, params, lists, _, _), layout in zip(self.calls, self.layouts)))
 
     def uniform(self, opt) -> bool:
         """Whether each group's parameters share one call key (Adam's step count): one call each."""
