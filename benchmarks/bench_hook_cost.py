@@ -89,6 +89,9 @@ parser.add_argument("--linear-tokens", type=int, default=0, metavar="T",
 parser.add_argument("--interleave", choices=("pass", "window"), default="pass",
                     help="with --window: contenders alternate pass by pass, or window by window (each then "
                          "allocates and frees in a run of its own passes, as in a loop of its own)")
+parser.add_argument("--frozen", type=int, default=0, metavar="N",
+                    help="N more parameters (of the first tensor's shape) in every optimizer that never get a "
+                         "gradient: requires_grad=False, as a frozen embedding or a LoRA base passed in with the rest")
 parser.add_argument("--json", default=None)
 args = parser.parse_args()
 if args.linear_tokens < 0:
@@ -142,19 +145,22 @@ def contender(name):
         params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
         loss_of = cheap_loss([torch.empty(shape).uniform_(-1e-3, 1e-3) for shape in SHAPES])
 
+    # (in every optimizer, torch's too: its step skips a parameter whose .grad is None)
+    frozen = [torch.nn.Parameter(torch.randn(SHAPES[0]), requires_grad=False) for _ in range(args.frozen)]
     opt = None
     if name == "py_drop":
         for p in params:
             p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     elif name == "mode_a":
-        opt = accum_fused.AdamW(params, lr=1e-3, in_backward=True, max_grad_norm=args.clip)
+        opt = accum_fused.AdamW(params + frozen, lr=1e-3, in_backward=True, max_grad_norm=args.clip)
     elif name in ("mode_b", "mode_b_fused"):
-        opt = accum_fused.AdamW(params, lr=1e-3, in_backward=True, accumulation_steps=K, max_grad_norm=args.clip)
+        opt = accum_fused.AdamW(params + frozen, lr=1e-3, in_backward=True, accumulation_steps=K,
+                                max_grad_norm=args.clip)
         if name == "mode_b_fused":
             from accum_fused.nn import fuse_linear_gradients
             fuse_linear_gradients(model, opt)
     elif name == "plain":
-        opt = accum_fused.AdamW(params, lr=1e-3, accumulation_steps=K, max_grad_norm=args.clip)
+        opt = accum_fused.AdamW(params + frozen, lr=1e-3, accumulation_steps=K, max_grad_norm=args.clip)
 
     def one_pass():
         loss = loss_of(*params)
@@ -165,7 +171,7 @@ def contender(name):
         if name == "plain":
             opt.step()  # (the window's k-th updates)
     if name == "native":
-        opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+        opt = torch.optim.AdamW(params + frozen, lr=1e-3, fused=True)
         if args.clip is not None:
             def clip(*_):
                 torch.nn.utils.clip_grad_norm_(params, args.clip)
